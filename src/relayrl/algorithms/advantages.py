@@ -1,0 +1,89 @@
+"""Group-relative advantages: each sample is scored against the other samples of its prompt.
+
+Rewards arrive flat, as consecutive groups of ``group_size`` samples of the same prompt:
+``rewards[g * group_size : (g + 1) * group_size]`` is group g. Every advantage function in
+``ADVANTAGES`` takes ``(rewards, group_size)`` and returns one advantage per sample, [N]; the
+trainer broadcasts it over that sample's tokens.
+"""
+
+from collections.abc import Callable
+
+from torch import Tensor
+
+AdvantageFn = Callable[[Tensor, int], Tensor]
+
+
+def grpo_advantages(
+    rewards: Tensor, group_size: int, *, eps: float = 1e-6, normalize_std: bool = True
+) -> Tensor:
+    """GRPO outcome advantages: rewards standardised within their group.
+
+    A_i = (r_i - mean_g) / (std_g + eps)     normalize_std=True  (DeepSeekMath, arXiv:2402.03300)
+    A_i =  r_i - mean_g                      normalize_std=False (Dr. GRPO, arXiv:2503.20783)
+
+    std_g is the population standard deviation (unbiased=False, divide by group_size). DeepSeekMath
+    does not say which one, and TRL and verl use the unbiased std; we differ because the population
+    std maps a two-sample group [1, 0] to exactly [+1, -1] up to eps, and it is zero rather than nan
+    for group_size=1. Groups whose rewards are
+    all equal carry no learning signal and get advantage exactly 0, not a rounding residue of the
+    mean divided by eps.
+
+    Args:
+        rewards: [N] float, N a multiple of group_size, groups laid out consecutively.
+        group_size: samples per prompt, >= 1.
+        eps: added to the std to keep near-constant groups finite.
+        normalize_std: divide by the group std (GRPO) or only centre (Dr. GRPO).
+
+    Returns:
+        [N] advantages, same dtype and device as rewards.
+    """
+    groups = _grouped(rewards, group_size)
+    advantages = groups - groups.mean(dim=1, keepdim=True)
+    if normalize_std:
+        advantages = advantages / (groups.std(dim=1, correction=0, keepdim=True) + eps)
+    zero_signal = _zero_signal(groups).unsqueeze(1)
+    return advantages.masked_fill(zero_signal, 0.0).reshape(-1)
+
+
+def dr_grpo_advantages(rewards: Tensor, group_size: int) -> Tensor:
+    """Dr. GRPO advantages (Liu et al., arXiv:2503.20783): A_i = r_i - mean_g, no std division.
+
+    Dividing by the group std up-weights prompts that are nearly always solved or nearly always
+    failed; Dr. GRPO drops that division. Dr. GRPO also replaces GRPO's per-sequence length mean
+    with a constant normaliser; our losses use a batch token-mean instead (see ``losses.py``).
+    Shapes and layout as in ``grpo_advantages``.
+    """
+    return grpo_advantages(rewards, group_size, normalize_std=False)
+
+
+def frac_zero_signal_groups(rewards: Tensor, group_size: int) -> float:
+    """Fraction of groups whose rewards are all equal, so every advantage in them is zero.
+
+    A learning-signal health metric: near 1.0 the prompts are all too easy or all too hard.
+    ``rewards`` is [N] laid out as in ``grpo_advantages``.
+    """
+    return _zero_signal(_grouped(rewards, group_size)).float().mean().item()
+
+
+ADVANTAGES: dict[str, AdvantageFn] = {
+    "grpo": grpo_advantages,
+    "dr_grpo": dr_grpo_advantages,
+}
+
+
+def _grouped(rewards: Tensor, group_size: int) -> Tensor:
+    """[N] -> [N / group_size, group_size], checking the layout."""
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be 1-D [N], got shape {tuple(rewards.shape)}")
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got group_size={group_size}")
+    if rewards.numel() % group_size != 0:
+        raise ValueError(
+            f"rewards has N={rewards.numel()} entries, not a multiple of group_size={group_size}"
+        )
+    return rewards.reshape(-1, group_size)
+
+
+def _zero_signal(groups: Tensor) -> Tensor:
+    """[G, group_size] -> [G] bool, true where every reward in the group is equal."""
+    return (groups == groups[:, :1]).all(dim=1)

@@ -1,0 +1,65 @@
+"""The ``relayrl`` command."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from relayrl.config import ConfigError, load_config
+
+EPILOG = """examples:
+  relayrl train configs/arith.yaml
+  relayrl train configs/arith.yaml mode=sync steps=200 trainer.loss=ppo_clip
+  relayrl train configs/arith.yaml --ray-address auto
+
+Overrides use dotted keys (section.key=value); see the config reference in the README."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the process exit code (2 for configuration errors)."""
+    parser = argparse.ArgumentParser(
+        prog="relayrl",
+        description="Distributed, asynchronous RL for language and vision-language-action policies.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=EPILOG,
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    train = commands.add_parser(
+        "train",
+        help="run a training job from a YAML config",
+        description="Run a training job: warm start, evaluation, RL (sync or async), evaluation, "
+        "checkpoint. Writes config.yaml, metrics.jsonl, TensorBoard events, learning_curve.png, "
+        "checkpoint/ and summary.json into a new run directory.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=EPILOG,
+    )
+    train.add_argument("config", help="YAML config file, e.g. configs/arith.yaml")
+    train.add_argument("overrides", nargs="*", help="a.b=value overrides, applied in order")
+    train.add_argument(
+        "--ray-address", default=None, help="join an existing Ray cluster (e.g. auto) instead of "
+        "starting an embedded one; same as ray.address=..."
+    )
+    train.add_argument("--run-dir", default=None, help="write here instead of OUT_DIR/NAME-TIME")
+    args = parser.parse_args(argv)
+
+    overrides = list(args.overrides)
+    if args.ray_address is not None:
+        overrides.append(f"ray.address={args.ray_address}")
+    try:
+        cfg = load_config(args.config, overrides)
+    except ConfigError as err:
+        print(f"relayrl: config error: {err}", file=sys.stderr)
+        return 2
+
+    from relayrl.controller import train as run_training
+
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    run_dir = Path(args.run_dir) if args.run_dir else Path(cfg.run.out_dir) / f"{cfg.run.name}-{stamp}"
+    run_training(cfg, run_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

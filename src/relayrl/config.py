@@ -1,0 +1,230 @@
+"""Typed run configuration: YAML file + ``a.b=c`` overrides, validated once at start-up.
+
+OmegaConf parses the YAML and the dot-list overrides; pydantic validates the merged tree against
+the models below, which are the single source of truth for every knob and its default.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from relayrl.algorithms.advantages import ADVANTAGES
+from relayrl.algorithms.losses import LOSSES
+
+
+class ConfigError(ValueError):
+    """A configuration problem, described in one line that names the field."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunConfig(_Section):
+    """Where a run writes and how it is seeded."""
+
+    name: str = Field("run", description="Run name; the run directory is OUT_DIR/NAME-TIMESTAMP.")
+    out_dir: str = Field("runs", description="Parent folder of run directories.")
+    seed: int = Field(0, description="Seed for model init, task sampling and generation.")
+
+
+class ModelConfig(_Section):
+    """The policy: a local Hugging Face checkpoint, or a tiny Llama built from these sizes."""
+
+    path: str | None = Field(
+        None, description="Local Hugging Face checkpoint directory; null builds a fresh model."
+    )
+    tokenizer: str = Field(
+        "builtin:char",
+        description="Tokenizer directory, or builtin:char (the character tokenizer shipped).",
+    )
+    hidden_size: int = Field(128, ge=8, description="Width of the fresh Llama.")
+    num_layers: int = Field(3, ge=1, description="Decoder layers of the fresh Llama.")
+    num_heads: int = Field(4, ge=1, description="Attention heads of the fresh Llama.")
+    intermediate_size: int = Field(512, ge=8, description="MLP width of the fresh Llama.")
+    max_positions: int = Field(64, ge=8, description="Longest prompt + completion, in tokens.")
+
+    @field_validator("path")
+    @classmethod
+    def _path_exists(cls, value: str | None) -> str | None:
+        if value is not None and not Path(value).is_dir():
+            raise ValueError("directory does not exist")
+        return value
+
+    @field_validator("tokenizer")
+    @classmethod
+    def _tokenizer_exists(cls, value: str) -> str:
+        if not value.startswith("builtin:") and not Path(value).is_dir():
+            raise ValueError("directory does not exist (or use builtin:char)")
+        if value.startswith("builtin:") and value != "builtin:char":
+            raise ValueError("unknown builtin tokenizer; allowed: builtin:char")
+        return value
+
+
+class TaskConfig(_Section):
+    """The synthetic arithmetic task with a verifiable answer and a held-out split."""
+
+    name: Literal["addition"] = Field("addition", description="Task name.")
+    digits: int = Field(3, ge=1, le=6, description="Operands are drawn from 0 .. 10**digits - 1.")
+    reverse_answer: bool = Field(
+        True, description="Write the sum least-significant digit first (far easier to learn)."
+    )
+    heldout_size: int = Field(1000, ge=1, description="Problems in the held-out evaluation split.")
+
+
+class WarmStartConfig(_Section):
+    """Supervised warm start on a small fixed set of worked examples before RL."""
+
+    steps: int = Field(300, ge=0, description="Optimizer steps; 0 skips the warm start.")
+    examples: int = Field(1000, ge=1, description="Size of the fixed worked-example set.")
+    batch_size: int = Field(64, ge=1, description="Examples per step.")
+    lr: float = Field(1e-3, gt=0, description="AdamW learning rate.")
+
+
+class GeneratorConfig(_Section):
+    """Sampling of completion groups, with partial rollouts."""
+
+    prompts_per_step: int = Field(32, ge=1, description="New prompts started per generate call.")
+    group_size: int = Field(8, ge=2, description="Completions sampled per prompt (GRPO group).")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
+    max_new_tokens: int = Field(8, ge=1, description="Completion length cap; longer ones are cut.")
+    max_new_tokens_per_step: int = Field(
+        8,
+        ge=1,
+        description="Tokens generated per call; unfinished completions resume in a later call.",
+    )
+
+
+class RewarderConfig(_Section):
+    """Rule-based scoring of completions."""
+
+    scorer: Literal["exact_answer"] = Field("exact_answer", description="Scorer name.")
+
+
+class TrainerConfig(_Section):
+    """Policy update."""
+
+    loss: str = Field("aipo", description="Loss name: " + ", ".join(sorted(LOSSES)) + ".")
+    advantage: str = Field("grpo", description="Advantage: " + ", ".join(sorted(ADVANTAGES)) + ".")
+    lr: float = Field(3e-4, gt=0, description="AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    grad_clip: float = Field(1.0, gt=0, description="Global gradient-norm clip.")
+    aipo_rho: float = Field(4.0, gt=0, description="AIPO truncation rho (LlamaRL uses 2..10).")
+    ppo_clip_eps: float = Field(0.2, gt=0, lt=1, description="PPO-clip epsilon.")
+
+    @field_validator("loss")
+    @classmethod
+    def _known_loss(cls, value: str) -> str:
+        if value not in LOSSES:
+            raise ValueError(f"unknown loss; allowed: {', '.join(sorted(LOSSES))}")
+        return value
+
+    @field_validator("advantage")
+    @classmethod
+    def _known_advantage(cls, value: str) -> str:
+        if value not in ADVANTAGES:
+            raise ValueError(f"unknown advantage; allowed: {', '.join(sorted(ADVANTAGES))}")
+        return value
+
+
+class ChannelsConfig(_Section):
+    """Bounded channels between executors."""
+
+    capacity: int = Field(1, ge=1, description="Batches a channel holds before put() waits.")
+
+
+class RayConfig(_Section):
+    """Placement on Ray."""
+
+    address: str | None = Field(
+        None, description="Existing cluster to join (e.g. auto); null starts an embedded one."
+    )
+    num_cpus: int = Field(2, ge=1, description="CPUs of the embedded Ray instance.")
+    threads_per_executor: int = Field(1, ge=1, description="torch threads in each executor.")
+
+
+class LogConfig(_Section):
+    """Metrics, progress and evaluation."""
+
+    tensorboard: bool = Field(True, description="Write TensorBoard event files.")
+    progress: bool = Field(True, description="Show a progress bar.")
+    every: int = Field(10, ge=1, description="Log metrics every N RL steps.")
+
+
+class Config(_Section):
+    """A whole run."""
+
+    mode: Literal["sync", "async"] = Field(
+        "async", description="sync: generate, score, train, publish in turn; async: overlapped."
+    )
+    steps: int = Field(600, ge=1, description="RL optimizer steps (policy versions published).")
+    max_staleness: int = Field(
+        2, ge=0, description="Most policy versions a trained token may lag the trainer."
+    )
+    run: RunConfig = RunConfig()
+    model: ModelConfig = ModelConfig()
+    task: TaskConfig = TaskConfig()
+    warm_start: WarmStartConfig = WarmStartConfig()
+    generator: GeneratorConfig = GeneratorConfig()
+    rewarder: RewarderConfig = RewarderConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    channels: ChannelsConfig = ChannelsConfig()
+    ray: RayConfig = RayConfig()
+    log: LogConfig = LogConfig()
+
+
+def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Load a YAML config, apply ``a.b=c`` overrides and validate; raise ConfigError on problems."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file '{path}' not found")
+        loaded = yaml.safe_load(path.read_text())
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file '{path}' must hold a mapping, got {type(loaded).__name__}")
+        tree = loaded or {}
+    for item in overrides:
+        if "=" not in item or item.startswith("="):
+            raise ConfigError(f"override '{item}' must look like a.b=value")
+    try:
+        merged = OmegaConf.merge(OmegaConf.create(tree), OmegaConf.from_dotlist(list(overrides)))
+        tree = OmegaConf.to_container(merged, resolve=True)
+    except OmegaConfBaseException as err:
+        raise ConfigError(str(err).splitlines()[0]) from None
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as err:
+        raise ConfigError(_describe(err)) from None
+
+
+def _describe(err: ValidationError) -> str:
+    """One line per the first validation error: field, value, what is allowed."""
+    first = err.errors()[0]
+    where = ".".join(str(part) for part in first["loc"])
+    value = first.get("input")
+    if first["type"] == "extra_forbidden":
+        allowed = ", ".join(_fields_at(first["loc"][:-1]))
+        return f"{where}: unknown key (allowed here: {allowed})"
+    message = first["msg"].removeprefix("Value error, ")
+    more = f" (and {len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""
+    return f"{where} = {value!r}: {message}{more}"
+
+
+def _fields_at(loc: tuple) -> list[str]:
+    model: type[BaseModel] = Config
+    for part in loc:
+        annotation = model.model_fields[str(part)].annotation
+        model = annotation  # sections are plain BaseModel subclasses
+    return list(model.model_fields)
+
+
+def save_config(config: Config, path: Path) -> None:
+    """Write the resolved config as YAML."""
+    path.write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))

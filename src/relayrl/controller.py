@@ -1,0 +1,207 @@
+"""The single controller: warm start, evaluate, RL in sync or async mode, evaluate, save.
+
+Both modes drive the same three executors by name — ``generator.generate``, ``rewarder.score``,
+``trainer.train_step``, ``trainer.publish`` and ``generator.update_weights`` — and pass Ray object
+references between them, so rollout tensors move executor to executor and never through here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import platform
+import time
+from pathlib import Path
+
+import ray
+
+from relayrl.channels.local import Channel
+from relayrl.config import Config, save_config
+from relayrl.launch import Executors, place_executors, start_ray, stop_executors
+from relayrl.observability.metrics import MetricsLog, RunTally
+from relayrl.observability.plots import plot_learning_curve
+
+
+async def run_sync(cfg: Config, ex: Executors, tally: RunTally, log: MetricsLog) -> int:
+    """generate -> score -> train -> publish, one after the other; returns samples in flight."""
+    while tally.steps < cfg.steps:
+        meta_ref, batch_ref = ex.generator.generate.options(num_returns=2).remote()
+        meta = await meta_ref
+        tally.on_generated(meta.samples, meta.busy_s)
+        if meta.samples == 0:
+            continue
+        score_ref, scored_ref = ex.rewarder.score.options(num_returns=2).remote(batch_ref)
+        score = await score_ref
+        tally.on_scored(score["busy_s"], score["errors"])
+        metrics = await ex.trainer.train_step.remote(scored_ref)
+        if metrics["stepped"]:
+            await ex.generator.update_weights.remote(ex.trainer.publish.remote())
+        _log_step(cfg, tally, log, metrics)
+    return 0
+
+
+async def run_async(cfg: Config, ex: Executors, tally: RunTally, log: MetricsLog) -> int:
+    """Generation, scoring and training overlap, joined by bounded channels.
+
+    The rollout loop starts batch ``i`` only once the trainer has published version
+    ``i - max_staleness``, so a batch reaches the trainer at most ``max_staleness`` versions old;
+    the trainer still checks every token and drops (and counts) any group that is older.
+    Returns the number of samples generated but not trained when the last step finished.
+    """
+    generated: Channel = Channel(cfg.channels.capacity, "generated")
+    scored: Channel = Channel(cfg.channels.capacity, "scored")
+    published = asyncio.Condition()
+    scoring = {"samples": 0}
+
+    async def rollout_loop() -> None:
+        batches = 0
+        while True:
+            async with published:
+                await published.wait_for(lambda: tally.steps >= batches - cfg.max_staleness)
+            meta_ref, batch_ref = ex.generator.generate.options(num_returns=2).remote()
+            meta = await meta_ref
+            tally.on_generated(meta.samples, meta.busy_s)
+            if meta.samples:
+                batches += 1
+                await generated.put((meta.samples, batch_ref))
+
+    async def score_loop() -> None:
+        while True:
+            samples, batch_ref = await generated.get()
+            scoring["samples"] = samples
+            score_ref, scored_ref = ex.rewarder.score.options(num_returns=2).remote(batch_ref)
+            score = await score_ref
+            tally.on_scored(score["busy_s"], score["errors"])
+            await scored.put((samples, scored_ref))
+            scoring["samples"] = 0
+
+    workers = [asyncio.create_task(rollout_loop()), asyncio.create_task(score_loop())]
+    try:
+        while tally.steps < cfg.steps:
+            _, scored_ref = await _get_or_raise(scored, workers)
+            metrics = await ex.trainer.train_step.remote(scored_ref)
+            if metrics["stepped"]:
+                ex.generator.update_weights.remote(ex.trainer.publish.remote())
+            _log_step(cfg, tally, log, metrics)
+            async with published:
+                published.notify_all()
+    finally:
+        for task in workers:
+            task.cancel()
+        await asyncio.gather(*workers, return_exceptions=True)
+    left = generated.close() + scored.close()
+    return scoring["samples"] + sum(samples for samples, _ in left)
+
+
+LOOPS = {"sync": run_sync, "async": run_async}
+
+
+def train(cfg: Config, run_dir: Path) -> dict:
+    """Run a whole LLM job in ``run_dir`` and return its summary (also written to summary.json)."""
+    started = time.perf_counter()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, run_dir / "config.yaml")
+    summary: dict = {"mode": cfg.mode, "status": "running", "run_dir": str(run_dir), "steps": 0}
+    _write_summary(run_dir, summary)
+    start_ray(cfg)
+    ex = place_executors(cfg)
+    log = MetricsLog(run_dir, cfg.log.tensorboard)
+    try:
+        warm = ray.get(ex.trainer.warm_start.remote())
+        ray.get(ex.generator.update_weights.remote(ex.trainer.publish.remote()))
+        eval_start = _evaluate(ex)
+        log.log(0, {"eval/accuracy": eval_start["accuracy"], **warm})
+        busy_before = _busy(ex)
+        tally = RunTally(cfg.steps, cfg.log.progress)
+        rl_start = time.perf_counter()
+        in_flight = asyncio.run(LOOPS[cfg.mode](cfg, ex, tally, log))
+        rl_wall = time.perf_counter() - rl_start
+        tally.close()
+        busy = {name: (_busy(ex)[name] - busy_before[name]) / rl_wall for name in busy_before}
+        eval_end = _evaluate(ex)
+        log.log(tally.steps, {"eval/accuracy": eval_end["accuracy"]})
+        checkpoint = ray.get(ex.trainer.save_pretrained.remote(str(run_dir / "checkpoint")))
+        pending = ray.get(ex.generator.stats.remote())["pending"]
+    finally:
+        log.close()
+        stop_executors(ex)
+    plot = plot_learning_curve(
+        log.path,
+        run_dir / "learning_curve.png",
+        {0: eval_start["accuracy"], tally.steps: eval_end["accuracy"]},
+    )
+    per_step = {name: sum(times) / tally.steps for name, times in _phase_times(tally).items()}
+    summary = {
+        "mode": cfg.mode,
+        "status": "finished",
+        "run_dir": str(run_dir),
+        "wall_clock_s": time.perf_counter() - started,
+        "steps": tally.steps,
+        "warm_start": warm,
+        "eval": {"start": eval_start, "end": eval_end},
+        "perf": {
+            "step_time_s": rl_wall / tally.steps,
+            "rl_wall_clock_s": rl_wall,
+            "busy": busy,
+            "phase_s_per_step": per_step,
+            "overlap_bound": sum(per_step.values()) / max(per_step.values()),
+        },
+        "staleness": tally.staleness() | {"max_staleness": cfg.max_staleness},
+        "samples": {
+            "generated": tally.generated,
+            "trained": tally.trained,
+            "dropped_stale": tally.dropped_stale,
+            "in_flight": in_flight,
+            "accounted": tally.generated == tally.trained + tally.dropped_stale + in_flight,
+            "unfinished_partials": pending,
+            "score_errors": tally.score_errors,
+        },
+        "artifacts": {
+            "checkpoint": checkpoint,
+            "metrics": str(log.path),
+            "learning_curve": str(plot),
+            "config": str(run_dir / "config.yaml"),
+        },
+        "machine": {"platform": platform.platform(), "python": platform.python_version()},
+    }
+    _write_summary(run_dir, summary)
+    return summary
+
+
+def _log_step(cfg: Config, tally: RunTally, log: MetricsLog, metrics: dict) -> None:
+    out = tally.on_trained(metrics)
+    if metrics["stepped"] and (tally.steps % cfg.log.every == 0 or tally.steps == cfg.steps):
+        log.log(tally.steps, out)
+
+
+async def _get_or_raise(channel: Channel, workers: list[asyncio.Task]):
+    """``channel.get()``, but re-raise at once if a worker loop died instead of waiting forever."""
+    get = asyncio.ensure_future(channel.get())
+    done, _ = await asyncio.wait({get, *workers}, return_when=asyncio.FIRST_COMPLETED)
+    for task in workers:
+        if task in done:
+            get.cancel()
+            task.result()
+    return get.result()
+
+
+def _evaluate(ex: Executors) -> dict:
+    batch_ref = ex.generator.evaluate.remote()
+    score, _ = ray.get(ex.rewarder.score.options(num_returns=2).remote(batch_ref))
+    version = ray.get(ex.generator.stats.remote())["version"]
+    return {"accuracy": score["reward_mean"], "n": score["samples"], "version": version}
+
+
+def _busy(ex: Executors) -> dict[str, float]:
+    stats = ray.get([handle.stats.remote() for handle in ex.all().values()])
+    return {name: s["busy_s"] for name, s in zip(ex.all(), stats, strict=True)}
+
+
+def _phase_times(tally: RunTally) -> dict[str, list[float]]:
+    return {"generate": tally.gen_s, "score": tally.score_s, "train": tally.train_s}
+
+
+def _write_summary(run_dir: Path, summary: dict) -> None:
+    text = json.dumps(summary, indent=2)
+    (run_dir / "summary.json").write_text(text + "\n")
+    print(text, flush=True)

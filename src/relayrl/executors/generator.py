@@ -1,0 +1,208 @@
+"""Generator executor: samples groups of completions with partial rollouts.
+
+Each ``generate`` call starts ``prompts_per_step`` new prompts (``group_size`` completions each),
+resumes the completions left unfinished by earlier calls, and generates at most
+``max_new_tokens_per_step`` tokens for all of them. Every token records the policy version that
+sampled it; weights change only between calls, so a completion resumed under newer weights carries
+the versions of both. Only whole groups are returned (GRPO needs every sample of a prompt).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from relayrl.config import Config
+from relayrl.engines.native import sample_chunk
+from relayrl.envs.arithmetic import AdditionTask, Problem
+from relayrl.models.lm import build_policy, encode_prompt, load_tokenizer
+from relayrl.types import RolloutBatch, RolloutMeta, Weights
+from relayrl.weight_sync import object_store
+
+
+@dataclass
+class _Sample:
+    group: int
+    prompt: list[int]
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finished: bool = False
+
+
+@dataclass
+class _Group:
+    answer: str
+    samples: list[_Sample] = field(default_factory=list)
+
+
+class Generator:
+    """Inference copy of the policy; a Ray actor in a run, a plain object in tests."""
+
+    name = "generator"
+
+    def __init__(self, cfg: Config, weights: Weights | None = None):
+        torch.set_num_threads(cfg.ray.threads_per_executor)
+        self.cfg = cfg.generator
+        self.tokenizer = load_tokenizer(cfg.model.tokenizer)
+        self.model = build_policy(cfg.model, self.tokenizer, cfg.run.seed).eval()
+        self.task = AdditionTask(cfg.task.digits, cfg.task.reverse_answer, cfg.task.heldout_size)
+        self.rng = random.Random(cfg.run.seed + 1)
+        self.torch_rng = torch.Generator().manual_seed(cfg.run.seed + 2)
+        self.version = 0
+        self.pending: list[_Sample] = []
+        self.groups: dict[int, _Group] = {}
+        self.next_group = 0
+        self.busy_s = 0.0
+        self.tokens_generated = 0
+        if weights is not None:
+            self.update_weights(weights)
+
+    def generate(self) -> tuple[RolloutMeta, RolloutBatch]:
+        """One chunk of generation; returns the groups that finished during it."""
+        start = time.perf_counter()
+        resumed = len(self.pending)
+        active = self.pending + self._start_groups(self.task.sample(self.cfg.prompts_per_step, self.rng))
+        chunk = sample_chunk(
+            self.model,
+            [s.prompt + s.tokens for s in active],
+            self.cfg.max_new_tokens_per_step,
+            eos_id=self.tokenizer.eos_token_id,
+            pad_id=self.tokenizer.pad_token_id,
+            temperature=self.cfg.temperature,
+            generator=self.torch_rng,
+        )
+        self.pending = []
+        for sample, tokens, logprobs, finished in zip(
+            active, chunk.tokens, chunk.logprobs, chunk.finished, strict=True
+        ):
+            room = self.cfg.max_new_tokens - len(sample.tokens)
+            sample.tokens += tokens[:room]
+            sample.logprobs += logprobs[:room]
+            sample.versions += [self.version] * len(tokens[:room])
+            sample.finished = finished and len(tokens) <= room
+            self.tokens_generated += len(tokens[:room])
+            if not sample.finished and len(sample.tokens) < self.cfg.max_new_tokens:
+                self.pending.append(sample)
+        batch = self._collect_finished_groups()
+        elapsed = time.perf_counter() - start
+        self.busy_s += elapsed
+        meta = RolloutMeta(
+            samples=len(batch),
+            tokens=int(batch.completion_len.sum()),
+            version=self.version,
+            resumed=resumed,
+            pending=len(self.pending),
+            busy_s=elapsed,
+        )
+        return meta, batch
+
+    def evaluate(self, problems: list[Problem] | None = None, batch_size: int = 500) -> RolloutBatch:
+        """Greedy completions of ``problems`` (default: the held-out split) in one group each."""
+        start = time.perf_counter()
+        problems = self.task.heldout() if problems is None else problems
+        samples: list[_Sample] = []
+        for offset in range(0, len(problems), batch_size):
+            part = [_Sample(-1, encode_prompt(self.tokenizer, p.prompt)) for p in problems[offset : offset + batch_size]]
+            chunk = sample_chunk(
+                self.model,
+                [s.prompt for s in part],
+                self.cfg.max_new_tokens,
+                eos_id=self.tokenizer.eos_token_id,
+                pad_id=self.tokenizer.pad_token_id,
+                temperature=self.cfg.temperature,
+                greedy=True,
+            )
+            for sample, tokens, logprobs, finished in zip(
+                part, chunk.tokens, chunk.logprobs, chunk.finished, strict=True
+            ):
+                sample.tokens, sample.logprobs, sample.finished = tokens, logprobs, finished
+                sample.versions = [self.version] * len(tokens)
+            samples += part
+        self.busy_s += time.perf_counter() - start
+        return _to_batch(samples, [p.answer for p in problems], group_size=1)
+
+    def update_weights(self, weights: Weights) -> int:
+        """Swap in a newer policy; called between generate calls, which is the safe point."""
+        start = time.perf_counter()
+        object_store.apply(self.model, weights)
+        self.version = weights.version
+        self.busy_s += time.perf_counter() - start
+        return self.version
+
+    def stats(self) -> dict[str, float]:
+        """Counters for the run summary."""
+        return {
+            "busy_s": self.busy_s,
+            "version": self.version,
+            "tokens_generated": self.tokens_generated,
+            "pending": len(self.pending),
+        }
+
+    def state_dict(self) -> dict:
+        """Everything needed to resume generation exactly (weights come from the trainer)."""
+        return {
+            "version": self.version,
+            "rng": self.rng.getstate(),
+            "torch_rng": self.torch_rng.get_state(),
+            "pending": self.pending,
+            "groups": self.groups,
+            "next_group": self.next_group,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what ``state_dict`` saved."""
+        self.version = state["version"]
+        self.rng.setstate(state["rng"])
+        self.torch_rng.set_state(state["torch_rng"])
+        self.pending = state["pending"]
+        self.groups = state["groups"]
+        self.next_group = state["next_group"]
+
+    def _start_groups(self, problems: list[Problem]) -> list[_Sample]:
+        started = []
+        for problem in problems:
+            group_id = self.next_group
+            self.next_group += 1
+            prompt = encode_prompt(self.tokenizer, problem.prompt)
+            group = _Group(problem.answer, [_Sample(group_id, prompt) for _ in range(self.cfg.group_size)])
+            self.groups[group_id] = group
+            started += group.samples
+        return started
+
+    def _collect_finished_groups(self) -> RolloutBatch:
+        unfinished = {s.group for s in self.pending}
+        done = [g for g in self.groups if g not in unfinished]
+        samples = [s for g in done for s in self.groups[g].samples]
+        answers = [self.groups[g].answer for g in done for _ in self.groups[g].samples]
+        for g in done:
+            del self.groups[g]
+        return _to_batch(samples, answers, group_size=self.cfg.group_size)
+
+
+def _to_batch(samples: list[_Sample], answers: list[str], group_size: int) -> RolloutBatch:
+    width = max((len(s.prompt) + len(s.tokens) for s in samples), default=0)
+    count = len(samples)
+    tokens = np.zeros((count, width), dtype=np.int64)
+    logprobs = np.zeros((count, width), dtype=np.float32)
+    versions = np.full((count, width), -1, dtype=np.int64)
+    for row, s in enumerate(samples):
+        p, c = len(s.prompt), len(s.tokens)
+        tokens[row, :p] = s.prompt
+        tokens[row, p : p + c] = s.tokens
+        logprobs[row, p : p + c] = s.logprobs
+        versions[row, p : p + c] = s.versions
+    return RolloutBatch(
+        tokens=tokens,
+        prompt_len=np.array([len(s.prompt) for s in samples], dtype=np.int64),
+        completion_len=np.array([len(s.tokens) for s in samples], dtype=np.int64),
+        logprobs=logprobs,
+        versions=versions,
+        finished=np.array([s.finished for s in samples], dtype=bool),
+        group_size=group_size,
+        answers=answers,
+    )

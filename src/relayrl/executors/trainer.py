@@ -1,0 +1,198 @@
+"""Trainer executor: supervised warm start, then off-policy-corrected policy updates.
+
+The trainer owns the policy version. Each ``train_step`` first enforces the staleness bound — a
+group with any token sampled more than ``max_staleness`` versions ago is dropped and counted, never
+trained on — then computes group advantages and the configured loss against the per-token
+behaviour log-probs recorded by the generator, takes one optimizer step and bumps the version.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from relayrl.algorithms.advantages import ADVANTAGES, frac_zero_signal_groups
+from relayrl.algorithms.losses import LOSSES
+from relayrl.config import Config
+from relayrl.envs.arithmetic import AdditionTask
+from relayrl.models.lm import build_policy, encode_prompt, load_tokenizer
+from relayrl.types import RolloutBatch, Weights
+from relayrl.weight_sync import object_store
+
+
+class Trainer:
+    """Policy update; a Ray actor in a run, a plain object in tests."""
+
+    name = "trainer"
+
+    def __init__(self, cfg: Config):
+        torch.set_num_threads(cfg.ray.threads_per_executor)
+        self.cfg = cfg
+        self.tokenizer = load_tokenizer(cfg.model.tokenizer)
+        self.model = build_policy(cfg.model, self.tokenizer, cfg.run.seed).train()
+        self.optimizer = self._adamw(cfg.trainer.lr)
+        self.loss_fn = LOSSES[cfg.trainer.loss]
+        self.loss_kwargs = {
+            "aipo": {"rho": cfg.trainer.aipo_rho},
+            "aipo_clamp": {"rho": cfg.trainer.aipo_rho},
+            "ppo_clip": {"clip_eps": cfg.trainer.ppo_clip_eps},
+        }.get(cfg.trainer.loss, {})
+        self.advantage_fn = ADVANTAGES[cfg.trainer.advantage]
+        self.version = 0
+        self.busy_s = 0.0
+        self.trained = 0
+        self.dropped_stale = 0
+
+    def warm_start(self) -> dict[str, float]:
+        """Supervised steps on a fixed set of worked examples (prompt masked out of the loss)."""
+        ws = self.cfg.warm_start
+        if ws.steps == 0:
+            return {"warm_start/steps": 0}
+        start = time.perf_counter()
+        task = AdditionTask(self.cfg.task.digits, self.cfg.task.reverse_answer, self.cfg.task.heldout_size)
+        rng = random.Random(self.cfg.run.seed + 3)
+        examples = task.sample(ws.examples, rng)
+        eos = self.tokenizer.eos_token_id
+        encoded = []
+        for problem in examples:
+            prompt = encode_prompt(self.tokenizer, problem.prompt)
+            answer = self.tokenizer(problem.answer, add_special_tokens=False)["input_ids"] + [eos]
+            encoded.append((prompt, answer))
+        optimizer = self._adamw(ws.lr)
+        loss = torch.zeros(())
+        for _ in range(ws.steps):
+            rows = [encoded[rng.randrange(len(encoded))] for _ in range(ws.batch_size)]
+            tokens, loss_mask, attention = _pack(rows, self.tokenizer.pad_token_id)
+            logits = self.model(input_ids=tokens, attention_mask=attention).logits[:, :-1]
+            nll = torch.nn.functional.cross_entropy(
+                logits.transpose(1, 2), tokens[:, 1:], reduction="none"
+            )
+            loss = (nll * loss_mask[:, 1:]).sum() / loss_mask[:, 1:].sum()
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+        elapsed = time.perf_counter() - start
+        self.busy_s += elapsed
+        return {"warm_start/steps": ws.steps, "warm_start/loss": float(loss), "warm_start/time_s": elapsed}
+
+    def train_step(self, batch: RolloutBatch) -> dict[str, float]:
+        """Drop stale groups, take one optimizer step on the rest, bump the version."""
+        start = time.perf_counter()
+        lag = self.version - batch.min_version  # [B], oldest token of each completion
+        group_lag = lag.reshape(-1, batch.group_size).max(axis=1)
+        keep = np.repeat(group_lag <= self.cfg.max_staleness, batch.group_size)
+        dropped = int((~keep).sum())
+        self.dropped_stale += dropped
+        batch = batch.select(keep)
+        lag = lag[keep]
+        metrics: dict[str, float] = {
+            "samples/received": float(len(keep)),
+            "samples/dropped_stale": float(dropped),
+            "samples/trained": float(len(batch)),
+        }
+        if len(batch) == 0:
+            self.busy_s += time.perf_counter() - start
+            return metrics | {"perf/train_s": time.perf_counter() - start, "stepped": 0.0}
+
+        rewards = torch.from_numpy(batch.rewards)
+        advantages = self.advantage_fn(rewards, batch.group_size)
+        tokens = torch.from_numpy(batch.tokens)
+        lengths = torch.from_numpy(batch.prompt_len + batch.completion_len)
+        attention = (torch.arange(tokens.shape[1])[None, :] < lengths[:, None]).long()
+        logits = self.model(input_ids=tokens, attention_mask=attention).logits[:, :-1]
+        logp_all = torch.log_softmax(logits.float() / self.cfg.generator.temperature, dim=-1)
+        logp = logp_all.gather(-1, tokens[:, 1:, None]).squeeze(-1)
+        mask = torch.from_numpy(batch.completion_mask[:, 1:])
+        mu = torch.from_numpy(batch.logprobs[:, 1:])
+        token_adv = advantages[:, None].expand_as(logp)
+        loss, loss_metrics = self.loss_fn(logp, mu, token_adv, mask, **self.loss_kwargs)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.trainer.grad_clip)
+        self.optimizer.step()
+        self.version += 1
+        self.trained += len(batch)
+
+        elapsed = time.perf_counter() - start
+        self.busy_s += elapsed
+        correct = (batch.rewards > 0) & batch.finished
+        return metrics | {
+            "stepped": 1.0,
+            "loss/value": float(loss),
+            "loss/grad_norm": float(grad_norm),
+            **{f"loss/{k}": v for k, v in loss_metrics.items()},
+            "rollout/reward_mean": float(batch.rewards.mean()),
+            "rollout/accuracy": float(correct.mean()),
+            "rollout/finished": float(batch.finished.mean()),
+            "rollout/completion_len": float(batch.completion_len.mean()),
+            "rollout/zero_signal_groups": frac_zero_signal_groups(rewards, batch.group_size),
+            "rollout/score_errors": float(batch.score_errors),
+            "staleness/mean": float(lag.mean()),
+            "staleness/max": float(lag.max()),
+            "perf/train_s": elapsed,
+            "version": float(self.version),
+            "lags": np.bincount(lag, minlength=self.cfg.max_staleness + 1).tolist(),
+        }
+
+    def publish(self) -> Weights:
+        """The current weights, tagged with the current version."""
+        start = time.perf_counter()
+        weights = object_store.snapshot(self.model, self.version)
+        self.busy_s += time.perf_counter() - start
+        return weights
+
+    def save_pretrained(self, path: str) -> str:
+        """Save a Hugging Face checkpoint (safetensors) with its tokenizer."""
+        self.model.save_pretrained(path, safe_serialization=True)
+        self.tokenizer.save_pretrained(path)
+        return str(Path(path))
+
+    def stats(self) -> dict[str, float]:
+        """Counters for the run summary."""
+        return {
+            "busy_s": self.busy_s,
+            "version": self.version,
+            "trained": self.trained,
+            "dropped_stale": self.dropped_stale,
+        }
+
+    def state_dict(self) -> dict:
+        """Model, optimizer, version and counters."""
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "version": self.version,
+            "trained": self.trained,
+            "dropped_stale": self.dropped_stale,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what ``state_dict`` saved."""
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.version = state["version"]
+        self.trained = state["trained"]
+        self.dropped_stale = state["dropped_stale"]
+
+    def _adamw(self, lr: float) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(
+            self.model.parameters(), lr=lr, weight_decay=self.cfg.trainer.weight_decay
+        )
+
+
+def _pack(rows: list[tuple[list[int], list[int]]], pad_id: int):
+    """Right-pad (prompt, target) pairs: tokens, a mask on target positions, attention mask."""
+    width = max(len(p) + len(t) for p, t in rows)
+    tokens = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    target = torch.zeros((len(rows), width))
+    attention = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, (prompt, answer) in enumerate(rows):
+        seq = prompt + answer
+        tokens[i, : len(seq)] = torch.tensor(seq)
+        target[i, len(prompt) : len(seq)] = 1.0
+        attention[i, : len(seq)] = 1
+    return tokens, target, attention

@@ -1,0 +1,64 @@
+"""Placement: start or join Ray and create the executors as actors."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from relayrl.config import Config
+from relayrl.executors.generator import Generator
+from relayrl.executors.rewarder import Rewarder
+from relayrl.executors.trainer import Trainer
+
+
+@dataclass
+class Executors:
+    """Ray actor handles of one LLM run."""
+
+    generator: Any
+    rewarder: Any
+    trainer: Any
+
+    def all(self) -> dict[str, Any]:
+        """Every executor by name."""
+        return {"generator": self.generator, "rewarder": self.rewarder, "trainer": self.trainer}
+
+
+def start_ray(cfg: Config) -> None:
+    """Join ``cfg.ray.address`` or start an embedded single-node Ray on loopback."""
+    if ray.is_initialized():
+        return
+    if cfg.ray.address is not None:
+        ray.init(address=cfg.ray.address, log_to_driver=True)
+        return
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(
+        num_cpus=cfg.ray.num_cpus,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        log_to_driver=True,
+        configure_logging=False,
+    )
+
+
+def place_executors(cfg: Config) -> Executors:
+    """Create the generator, rewarder and trainer actors.
+
+    Actors reserve no Ray CPUs: each sets its own torch thread count, and fractional reservations
+    on a 2-CPU node can leave a later task unschedulable.
+    """
+    actor = ray.remote(num_cpus=0, max_restarts=0)
+    return Executors(
+        generator=actor(Generator).options(name=None).remote(cfg),
+        rewarder=actor(Rewarder).remote(cfg),
+        trainer=actor(Trainer).remote(cfg),
+    )
+
+
+def stop_executors(executors: Executors) -> None:
+    """Kill the actors of a run (the Ray instance stays up for the next run)."""
+    for handle in executors.all().values():
+        ray.kill(handle)

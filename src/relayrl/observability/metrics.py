@@ -1,0 +1,113 @@
+"""Run metrics: JSONL (always), TensorBoard (optional), a progress bar, and run-level tallies.
+
+Metric names are stable namespaces: ``loss/*``, ``rollout/*``, ``perf/*``, ``staleness/*``,
+``samples/*``, ``eval/*``, ``sync/*``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from pathlib import Path
+
+from tqdm import tqdm
+
+
+class MetricsLog:
+    """Appends one JSON object per logged step to ``metrics.jsonl`` and mirrors it to TensorBoard."""
+
+    def __init__(self, run_dir: Path, tensorboard: bool):
+        self.path = run_dir / "metrics.jsonl"
+        self._file = self.path.open("a")
+        self._writer = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        """Write the scalar metrics of ``step``."""
+        scalars = {k: float(v) for k, v in metrics.items() if isinstance(v, int | float)}
+        self._file.write(json.dumps({"step": step, "time": time.time(), **scalars}) + "\n")
+        self._file.flush()
+        if self._writer is not None:
+            for key, value in scalars.items():
+                self._writer.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        """Flush and close the files."""
+        self._file.close()
+        if self._writer is not None:
+            self._writer.close()
+
+
+class RunTally:
+    """Run-level counts the controller keeps while the loop runs: samples, lags, step times."""
+
+    def __init__(self, steps: int, progress: bool):
+        self.steps = 0
+        self.generated = 0
+        self.trained = 0
+        self.dropped_stale = 0
+        self.score_errors = 0
+        self.lag_hist: Counter[int] = Counter()
+        self.gen_s: list[float] = []
+        self.score_s: list[float] = []
+        self.train_s: list[float] = []
+        self._recent: dict[str, float] = {}
+        self._start = time.perf_counter()
+        self._bar = tqdm(total=steps, desc="rl", unit="step", disable=not progress, dynamic_ncols=True)
+
+    def on_generated(self, samples: int, busy_s: float) -> None:
+        """A generate call finished with ``samples`` completed samples."""
+        self.generated += samples
+        self.gen_s.append(busy_s)
+
+    def on_scored(self, busy_s: float, errors: int) -> None:
+        """A score call finished."""
+        self.score_s.append(busy_s)
+        self.score_errors += errors
+
+    def on_trained(self, metrics: dict) -> dict[str, float]:
+        """A train step finished; returns the metrics to log for it."""
+        self.trained += int(metrics["samples/trained"])
+        self.dropped_stale += int(metrics["samples/dropped_stale"])
+        self.train_s.append(metrics["perf/train_s"])
+        for lag, count in enumerate(metrics.get("lags", [])):
+            if count:
+                self.lag_hist[lag] += count
+        if metrics["stepped"]:
+            self.steps += 1
+            self._bar.update(1)
+        elapsed = time.perf_counter() - self._start
+        out = {k: v for k, v in metrics.items() if k not in ("lags", "stepped")}
+        out |= {
+            "perf/samples_per_s": self.trained / max(elapsed, 1e-9),
+            "perf/step_time_s": elapsed / max(self.steps, 1),
+            "samples/generated_total": float(self.generated),
+            "samples/trained_total": float(self.trained),
+            "samples/dropped_stale_total": float(self.dropped_stale),
+        }
+        if "rollout/accuracy" in out:
+            self._recent = {
+                "acc": out["rollout/accuracy"],
+                "lag": out["staleness/mean"],
+                "smp/s": out["perf/samples_per_s"],
+            }
+            self._bar.set_postfix({k: f"{v:.2f}" for k, v in self._recent.items()}, refresh=False)
+        return out
+
+    def staleness(self) -> dict:
+        """Mean, max and histogram of the lag (trainer version - sample version) of trained samples."""
+        total = sum(self.lag_hist.values())
+        mean = sum(lag * n for lag, n in self.lag_hist.items()) / total if total else 0.0
+        return {
+            "mean": mean,
+            "max": max(self.lag_hist, default=0),
+            "hist": {str(lag): self.lag_hist[lag] for lag in sorted(self.lag_hist)},
+        }
+
+    def close(self) -> None:
+        """Close the progress bar."""
+        self._bar.close()

@@ -1,0 +1,80 @@
+"""Typed messages that flow between executors. Every message carries policy versions."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+
+@dataclass
+class RolloutBatch:
+    """A batch of finished completions, columnar, laid out as consecutive groups of one prompt.
+
+    Token arrays are right-padded to a common length ``L``; ``tokens[i, :prompt_len[i]]`` is the
+    prompt and the next ``completion_len[i]`` entries are the completion. ``logprobs`` and
+    ``versions`` are aligned with ``tokens``: entry ``j`` is the behaviour log-probability ``mu``
+    of ``tokens[i, j]`` and the policy version that sampled it (``-1`` on prompt and padding).
+    """
+
+    tokens: np.ndarray  # [B, L] int64
+    prompt_len: np.ndarray  # [B] int64
+    completion_len: np.ndarray  # [B] int64
+    logprobs: np.ndarray  # [B, L] float32
+    versions: np.ndarray  # [B, L] int64, -1 outside the completion
+    finished: np.ndarray  # [B] bool, the completion ended with EOS
+    group_size: int
+    answers: list[str]  # reference answer of each sample
+    completions: list[str] = field(default_factory=list)  # decoded text, filled by the rewarder
+    rewards: np.ndarray | None = None  # [B] float32, filled by the rewarder
+    score_errors: int = 0  # scorer calls that raised, filled by the rewarder
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def completion_mask(self) -> np.ndarray:
+        """[B, L] bool, true on completion tokens."""
+        return self.versions >= 0
+
+    @property
+    def min_version(self) -> np.ndarray:
+        """[B] the oldest policy version that sampled any token of each completion."""
+        big = np.iinfo(np.int64).max
+        return np.where(self.completion_mask, self.versions, big).min(axis=1)
+
+    def select(self, keep: np.ndarray) -> RolloutBatch:
+        """Rows where ``keep`` (a [B] bool array) is true; ``keep`` must keep whole groups."""
+        rows = np.flatnonzero(keep)
+        return replace(
+            self,
+            tokens=self.tokens[rows],
+            prompt_len=self.prompt_len[rows],
+            completion_len=self.completion_len[rows],
+            logprobs=self.logprobs[rows],
+            versions=self.versions[rows],
+            finished=self.finished[rows],
+            answers=[self.answers[i] for i in rows],
+            completions=[self.completions[i] for i in rows] if self.completions else [],
+            rewards=None if self.rewards is None else self.rewards[rows],
+        )
+
+
+@dataclass
+class RolloutMeta:
+    """What the controller needs to know about a rollout batch without touching its tensors."""
+
+    samples: int
+    tokens: int
+    version: int  # generator policy version at the end of the call
+    resumed: int  # completions continued from an earlier call (partial rollouts)
+    pending: int  # unfinished completions cached for the next call
+    busy_s: float
+
+
+@dataclass
+class Weights:
+    """A versioned snapshot of policy parameters as named numpy arrays."""
+
+    version: int
+    tensors: dict[str, np.ndarray]
