@@ -38,13 +38,19 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("config", help="YAML config file, e.g. configs/arith.yaml")
     train.add_argument("overrides", nargs="*", help="a.b=value overrides, applied in order")
     train.add_argument(
-        "--ray-address", default=None, help="join an existing Ray cluster (e.g. auto) instead of "
-        "starting an embedded one; same as ray.address=..."
+        "--ray-address",
+        default=None,
+        help="join an existing Ray cluster (e.g. auto) instead of "
+        "starting an embedded one; same as ray.address=...",
     )
     train.add_argument("--run-dir", default=None, help="write here instead of OUT_DIR/NAME-TIME")
-    args = parser.parse_args(argv)
+    # parse_args would reject overrides placed after an option (`--ray-address auto steps=5`):
+    # argparse fills the nargs="*" positional once, so later ones come back as leftovers.
+    args, leftovers = parser.parse_known_args(argv)
+    if any(item.startswith("-") for item in leftovers):
+        parser.error(f"unrecognized arguments: {' '.join(leftovers)}")
 
-    overrides = list(args.overrides)
+    overrides = [*args.overrides, *leftovers]
     if args.ray_address is not None:
         overrides.append(f"ray.address={args.ray_address}")
     try:
@@ -56,7 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     from relayrl.controller import train as run_training
 
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    run_dir = Path(args.run_dir) if args.run_dir else Path(cfg.run.out_dir) / f"{cfg.run.name}-{stamp}"
+    run_dir = (
+        Path(args.run_dir) if args.run_dir else Path(cfg.run.out_dir) / f"{cfg.run.name}-{stamp}"
+    )
     run_training(cfg, run_dir)
     return 0
 

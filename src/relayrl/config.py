@@ -6,8 +6,9 @@ the models below, which are the single source of truth for every knob and its de
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args, get_origin
 
 import yaml
 from omegaconf import OmegaConf
@@ -23,7 +24,8 @@ class ConfigError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # `run.name=2024` reaches a str field as an int (YAML and dot-lists parse it so): accept it.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, coerce_numbers_to_str=True)
 
 
 class RunConfig(_Section):
@@ -81,7 +83,7 @@ class TaskConfig(_Section):
 class WarmStartConfig(_Section):
     """Supervised warm start on a small fixed set of worked examples before RL."""
 
-    steps: int = Field(300, ge=0, description="Optimizer steps; 0 skips the warm start.")
+    steps: int = Field(650, ge=0, description="Optimizer steps; 0 skips the warm start.")
     examples: int = Field(1000, ge=1, description="Size of the fixed worked-example set.")
     batch_size: int = Field(64, ge=1, description="Examples per step.")
     lr: float = Field(1e-3, gt=0, description="AdamW learning rate.")
@@ -93,6 +95,7 @@ class GeneratorConfig(_Section):
     prompts_per_step: int = Field(32, ge=1, description="New prompts started per generate call.")
     group_size: int = Field(8, ge=2, description="Completions sampled per prompt (GRPO group).")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
+    greedy: bool = Field(False, description="Take the argmax instead of sampling (debugging).")
     max_new_tokens: int = Field(8, ge=1, description="Completion length cap; longer ones are cut.")
     max_new_tokens_per_step: int = Field(
         8,
@@ -115,6 +118,11 @@ class TrainerConfig(_Section):
     lr: float = Field(3e-4, gt=0, description="AdamW learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     grad_clip: float = Field(1.0, gt=0, description="Global gradient-norm clip.")
+    skip_zero_signal: bool = Field(
+        True,
+        description="Skip groups whose rewards are all equal: their advantage, hence gradient, "
+        "is zero, and leaving them out of the token mean saves their forward/backward pass.",
+    )
     aipo_rho: float = Field(4.0, gt=0, description="AIPO truncation rho (LlamaRL uses 2..10).")
     ppo_clip_eps: float = Field(0.2, gt=0, lt=1, description="PPO-clip epsilon.")
 
@@ -163,7 +171,11 @@ class Config(_Section):
     mode: Literal["sync", "async"] = Field(
         "async", description="sync: generate, score, train, publish in turn; async: overlapped."
     )
-    steps: int = Field(600, ge=1, description="RL optimizer steps (policy versions published).")
+    steps: int = Field(
+        600,
+        ge=1,
+        description="RL steps: batches the trainer consumes (each takes at most one optimizer step).",
+    )
     max_staleness: int = Field(
         2, ge=0, description="Most policy versions a trained token may lag the trainer."
     )
@@ -186,9 +198,14 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file '{path}' not found")
-        loaded = yaml.safe_load(path.read_text())
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
+            problem = _yaml_problem(err)
+            raise ConfigError(f"config file '{path}' is not readable YAML: {problem}") from None
         if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError(f"config file '{path}' must hold a mapping, got {type(loaded).__name__}")
+            kind = type(loaded).__name__
+            raise ConfigError(f"config file '{path}' must hold a mapping, got {kind}")
         tree = loaded or {}
     for item in overrides:
         if "=" not in item or item.startswith("="):
@@ -202,6 +219,14 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         return Config.model_validate(tree)
     except ValidationError as err:
         raise ConfigError(_describe(err)) from None
+
+
+def _yaml_problem(err: Exception) -> str:
+    """One line for a read or parse error; PyYAML's own message spans several lines."""
+    mark = getattr(err, "problem_mark", None)
+    if mark is not None:
+        return f"{err.problem} at line {mark.line + 1}, column {mark.column + 1}"
+    return " ".join(str(err).split())
 
 
 def _describe(err: ValidationError) -> str:
@@ -228,3 +253,29 @@ def _fields_at(loc: tuple) -> list[str]:
 def save_config(config: Config, path: Path) -> None:
     """Write the resolved config as YAML."""
     path.write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+
+
+def reference_markdown() -> str:
+    """The config reference as a Markdown table, generated from the models above."""
+    lines = ["| key | type | default | description |", "|---|---|---|---|"]
+
+    def walk(model: type[BaseModel], prefix: str) -> None:
+        for name, field in model.model_fields.items():
+            key = f"{prefix}{name}"
+            annotation = field.annotation
+            if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+                walk(annotation, key + ".")
+                continue
+            default = json.dumps(field.default)
+            lines.append(f"| `{key}` | {_kind(annotation)} | `{default}` | {field.description} |")
+
+    walk(Config, "")
+    return "\n".join(lines) + "\n"
+
+
+def _kind(annotation: Any) -> str:
+    if get_origin(annotation) is Literal:
+        return " or ".join(json.dumps(choice) for choice in get_args(annotation))
+    if get_args(annotation):
+        return " or ".join(_kind(arg) for arg in get_args(annotation))
+    return "null" if annotation is type(None) else annotation.__name__

@@ -43,9 +43,10 @@ async def run_sync(cfg: Config, ex: Executors, tally: RunTally, log: MetricsLog)
 async def run_async(cfg: Config, ex: Executors, tally: RunTally, log: MetricsLog) -> int:
     """Generation, scoring and training overlap, joined by bounded channels.
 
-    The rollout loop starts batch ``i`` only once the trainer has published version
-    ``i - max_staleness``, so a batch reaches the trainer at most ``max_staleness`` versions old;
-    the trainer still checks every token and drops (and counts) any group that is older.
+    The rollout loop starts batch ``i`` only once the trainer has consumed batch
+    ``i - max_staleness`` (and queued its weights to the generator); each batch bumps the version
+    at most once, so a batch reaches the trainer at most ``max_staleness`` versions old. The
+    trainer still checks every token and drops (and counts) any group that is older.
     Returns the number of samples generated but not trained when the last step finished.
     """
     generated: Channel = Channel(cfg.channels.capacity, "generated")
@@ -137,6 +138,7 @@ def train(cfg: Config, run_dir: Path) -> dict:
         "run_dir": str(run_dir),
         "wall_clock_s": time.perf_counter() - started,
         "steps": tally.steps,
+        "updates": tally.updates,
         "warm_start": warm,
         "eval": {"start": eval_start, "end": eval_end},
         "perf": {
@@ -170,7 +172,7 @@ def train(cfg: Config, run_dir: Path) -> dict:
 
 def _log_step(cfg: Config, tally: RunTally, log: MetricsLog, metrics: dict) -> None:
     out = tally.on_trained(metrics)
-    if metrics["stepped"] and (tally.steps % cfg.log.every == 0 or tally.steps == cfg.steps):
+    if tally.steps % cfg.log.every == 0 or tally.steps == cfg.steps:
         log.log(tally.steps, out)
 
 

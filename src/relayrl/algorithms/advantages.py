@@ -65,6 +65,15 @@ def frac_zero_signal_groups(rewards: Tensor, group_size: int) -> float:
     return _zero_signal(_grouped(rewards, group_size)).float().mean().item()
 
 
+def zero_signal_samples(rewards: Tensor, group_size: int) -> Tensor:
+    """[N] bool, true for every sample of a group whose rewards are all equal (zero advantage).
+
+    Such samples contribute exactly zero policy gradient, so a trainer may skip their
+    forward/backward pass; ``rewards`` is [N] laid out as in ``grpo_advantages``.
+    """
+    return _zero_signal(_grouped(rewards, group_size)).repeat_interleave(group_size)
+
+
 ADVANTAGES: dict[str, AdvantageFn] = {
     "grpo": grpo_advantages,
     "dr_grpo": dr_grpo_advantages,

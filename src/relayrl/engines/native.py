@@ -54,13 +54,7 @@ def sample_chunk(
         attention[row, width - len(seq) :] = 1
     positions = (attention.cumsum(-1) - 1).clamp(min=0)
     cache = DynamicCache()
-    logits = model(
-        input_ids=input_ids,
-        attention_mask=attention,
-        position_ids=positions,
-        past_key_values=cache,
-        use_cache=True,
-    ).logits[:, -1]
+    logits = _forward(model, input_ids, attention, positions, cache)
 
     done = torch.zeros(batch, dtype=torch.bool)
     new_tokens = torch.full((batch, max_new_tokens), pad_id, dtype=torch.long)
@@ -81,13 +75,7 @@ def sample_chunk(
             break
         attention = torch.cat([attention, torch.ones((batch, 1), dtype=torch.long)], dim=1)
         positions = positions[:, -1:] + 1
-        logits = model(
-            input_ids=token[:, None],
-            attention_mask=attention,
-            position_ids=positions,
-            past_key_values=cache,
-            use_cache=True,
-        ).logits[:, -1]
+        logits = _forward(model, token[:, None], attention, positions, cache)
 
     tokens, logprobs, finished = [], [], []
     for row in range(batch):
@@ -97,3 +85,10 @@ def sample_chunk(
         logprobs.append(new_logprobs[row, :length].tolist())
         finished.append(eos_id in row_tokens)
     return Chunk(tokens, logprobs, finished)
+
+
+def _forward(model, input_ids, attention, positions, cache: DynamicCache) -> torch.Tensor:
+    """Last-position logits. The cache goes in positionally: transformers renamed the keyword
+    (``past_key_values`` -> ``cache``) but kept its place after ``position_ids``."""
+    out = model(input_ids, attention, positions, cache, use_cache=True, logits_to_keep=1)
+    return out.logits[:, -1]

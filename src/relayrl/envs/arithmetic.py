@@ -28,7 +28,9 @@ class AdditionTask:
         self.reverse_answer = reverse_answer
         top = 10**digits
         if heldout_size > top * top // 2:
-            raise ValueError(f"task.heldout_size={heldout_size} exceeds half of all {top * top} pairs")
+            raise ValueError(
+                f"task.heldout_size={heldout_size} exceeds half of all {top * top} pairs"
+            )
         rng = random.Random(HELDOUT_SEED)
         pairs: dict[tuple[int, int], None] = {}
         while len(pairs) < heldout_size:

@@ -9,6 +9,7 @@ the versions of both. Only whole groups are returned (GRPO needs every sample of
 
 from __future__ import annotations
 
+import copy
 import random
 import time
 from dataclasses import dataclass, field
@@ -66,7 +67,9 @@ class Generator:
         """One chunk of generation; returns the groups that finished during it."""
         start = time.perf_counter()
         resumed = len(self.pending)
-        active = self.pending + self._start_groups(self.task.sample(self.cfg.prompts_per_step, self.rng))
+        active = self.pending + self._start_groups(
+            self.task.sample(self.cfg.prompts_per_step, self.rng)
+        )
         chunk = sample_chunk(
             self.model,
             [s.prompt + s.tokens for s in active],
@@ -74,6 +77,7 @@ class Generator:
             eos_id=self.tokenizer.eos_token_id,
             pad_id=self.tokenizer.pad_token_id,
             temperature=self.cfg.temperature,
+            greedy=self.cfg.greedy,
             generator=self.torch_rng,
         )
         self.pending = []
@@ -101,13 +105,18 @@ class Generator:
         )
         return meta, batch
 
-    def evaluate(self, problems: list[Problem] | None = None, batch_size: int = 500) -> RolloutBatch:
+    def evaluate(
+        self, problems: list[Problem] | None = None, batch_size: int = 500
+    ) -> RolloutBatch:
         """Greedy completions of ``problems`` (default: the held-out split) in one group each."""
         start = time.perf_counter()
         problems = self.task.heldout() if problems is None else problems
         samples: list[_Sample] = []
         for offset in range(0, len(problems), batch_size):
-            part = [_Sample(-1, encode_prompt(self.tokenizer, p.prompt)) for p in problems[offset : offset + batch_size]]
+            part = [
+                _Sample(-1, encode_prompt(self.tokenizer, p.prompt))
+                for p in problems[offset : offset + batch_size]
+            ]
             chunk = sample_chunk(
                 self.model,
                 [s.prompt for s in part],
@@ -145,22 +154,24 @@ class Generator:
 
     def state_dict(self) -> dict:
         """Everything needed to resume generation exactly (weights come from the trainer)."""
-        return {
-            "version": self.version,
-            "rng": self.rng.getstate(),
-            "torch_rng": self.torch_rng.get_state(),
-            "pending": self.pending,
-            "groups": self.groups,
-            "next_group": self.next_group,
-        }
+        return copy.deepcopy(
+            {
+                "version": self.version,
+                "rng": self.rng.getstate(),
+                "torch_rng": self.torch_rng.get_state(),
+                "pending": self.pending,
+                "groups": self.groups,
+                "next_group": self.next_group,
+            }
+        )
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what ``state_dict`` saved."""
         self.version = state["version"]
         self.rng.setstate(state["rng"])
         self.torch_rng.set_state(state["torch_rng"])
-        self.pending = state["pending"]
-        self.groups = state["groups"]
+        self.pending = copy.deepcopy(state["pending"])
+        self.groups = copy.deepcopy(state["groups"])
         self.next_group = state["next_group"]
 
     def _start_groups(self, problems: list[Problem]) -> list[_Sample]:
@@ -169,7 +180,9 @@ class Generator:
             group_id = self.next_group
             self.next_group += 1
             prompt = encode_prompt(self.tokenizer, problem.prompt)
-            group = _Group(problem.answer, [_Sample(group_id, prompt) for _ in range(self.cfg.group_size)])
+            group = _Group(
+                problem.answer, [_Sample(group_id, prompt) for _ in range(self.cfg.group_size)]
+            )
             self.groups[group_id] = group
             started += group.samples
         return started

@@ -8,6 +8,7 @@ behaviour log-probs recorded by the generator, takes one optimizer step and bump
 
 from __future__ import annotations
 
+import copy
 import random
 import time
 from pathlib import Path
@@ -15,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from relayrl.algorithms.advantages import ADVANTAGES, frac_zero_signal_groups
+from relayrl.algorithms.advantages import ADVANTAGES, zero_signal_samples
 from relayrl.algorithms.losses import LOSSES
 from relayrl.config import Config
 from relayrl.envs.arithmetic import AdditionTask
@@ -53,7 +54,9 @@ class Trainer:
         if ws.steps == 0:
             return {"warm_start/steps": 0}
         start = time.perf_counter()
-        task = AdditionTask(self.cfg.task.digits, self.cfg.task.reverse_answer, self.cfg.task.heldout_size)
+        task = AdditionTask(
+            self.cfg.task.digits, self.cfg.task.reverse_answer, self.cfg.task.heldout_size
+        )
         rng = random.Random(self.cfg.run.seed + 3)
         examples = task.sample(ws.examples, rng)
         eos = self.tokenizer.eos_token_id
@@ -77,7 +80,11 @@ class Trainer:
             optimizer.step()
         elapsed = time.perf_counter() - start
         self.busy_s += elapsed
-        return {"warm_start/steps": ws.steps, "warm_start/loss": float(loss), "warm_start/time_s": elapsed}
+        return {
+            "warm_start/steps": ws.steps,
+            "warm_start/loss": float(loss.detach()),
+            "warm_start/time_s": elapsed,
+        }
 
     def train_step(self, batch: RolloutBatch) -> dict[str, float]:
         """Drop stale groups, take one optimizer step on the rest, bump the version."""
@@ -97,8 +104,26 @@ class Trainer:
         if len(batch) == 0:
             self.busy_s += time.perf_counter() - start
             return metrics | {"perf/train_s": time.perf_counter() - start, "stepped": 0.0}
-
         rewards = torch.from_numpy(batch.rewards)
+        zero_signal = zero_signal_samples(rewards, batch.group_size)
+        metrics |= {
+            "rollout/reward_mean": float(batch.rewards.mean()),
+            "rollout/accuracy": float(((batch.rewards > 0) & batch.finished).mean()),
+            "rollout/finished": float(batch.finished.mean()),
+            "rollout/completion_len": float(batch.completion_len.mean()),
+            "rollout/zero_signal_groups": float(zero_signal.float().mean()),
+            "rollout/score_errors": float(batch.score_errors),
+            "staleness/mean": float(lag.mean()),
+            "staleness/max": float(lag.max()),
+            "lags": np.bincount(lag, minlength=self.cfg.max_staleness + 1).tolist(),
+        }
+        self.trained += len(batch)
+        if self.cfg.trainer.skip_zero_signal:
+            batch = batch.select(~zero_signal.numpy())
+            rewards = torch.from_numpy(batch.rewards)
+        if len(batch) == 0:
+            self.busy_s += time.perf_counter() - start
+            return metrics | {"perf/train_s": time.perf_counter() - start, "stepped": 0.0}
         advantages = self.advantage_fn(rewards, batch.group_size)
         tokens = torch.from_numpy(batch.tokens)
         lengths = torch.from_numpy(batch.prompt_len + batch.completion_len)
@@ -112,30 +137,21 @@ class Trainer:
         loss, loss_metrics = self.loss_fn(logp, mu, token_adv, mask, **self.loss_kwargs)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.trainer.grad_clip)
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            self.model.parameters(), self.cfg.trainer.grad_clip
+        )
         self.optimizer.step()
         self.version += 1
-        self.trained += len(batch)
 
         elapsed = time.perf_counter() - start
         self.busy_s += elapsed
-        correct = (batch.rewards > 0) & batch.finished
         return metrics | {
             "stepped": 1.0,
-            "loss/value": float(loss),
+            "loss/value": float(loss.detach()),
             "loss/grad_norm": float(grad_norm),
             **{f"loss/{k}": v for k, v in loss_metrics.items()},
-            "rollout/reward_mean": float(batch.rewards.mean()),
-            "rollout/accuracy": float(correct.mean()),
-            "rollout/finished": float(batch.finished.mean()),
-            "rollout/completion_len": float(batch.completion_len.mean()),
-            "rollout/zero_signal_groups": frac_zero_signal_groups(rewards, batch.group_size),
-            "rollout/score_errors": float(batch.score_errors),
-            "staleness/mean": float(lag.mean()),
-            "staleness/max": float(lag.max()),
             "perf/train_s": elapsed,
             "version": float(self.version),
-            "lags": np.bincount(lag, minlength=self.cfg.max_staleness + 1).tolist(),
         }
 
     def publish(self) -> Weights:
@@ -161,14 +177,16 @@ class Trainer:
         }
 
     def state_dict(self) -> dict:
-        """Model, optimizer, version and counters."""
-        return {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "version": self.version,
-            "trained": self.trained,
-            "dropped_stale": self.dropped_stale,
-        }
+        """A snapshot (not a view) of model, optimizer, version and counters."""
+        return copy.deepcopy(
+            {
+                "model": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "version": self.version,
+                "trained": self.trained,
+                "dropped_stale": self.dropped_stale,
+            }
+        )
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what ``state_dict`` saved."""

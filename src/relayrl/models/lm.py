@@ -34,7 +34,9 @@ def load_tokenizer(spec: str) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def build_policy(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int) -> PreTrainedModel:
+def build_policy(
+    cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int
+) -> PreTrainedModel:
     """The policy model in fp32 on CPU: loaded from ``cfg.path`` or freshly initialised."""
     if cfg.path is not None:
         return AutoModelForCausalLM.from_pretrained(cfg.path, dtype=torch.float32)

@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 
 class MetricsLog:
-    """Appends one JSON object per logged step to ``metrics.jsonl`` and mirrors it to TensorBoard."""
+    """Appends one JSON line per logged step to ``metrics.jsonl``; mirrors it to TensorBoard."""
 
     def __init__(self, run_dir: Path, tensorboard: bool):
         self.path = run_dir / "metrics.jsonl"
@@ -46,7 +46,8 @@ class RunTally:
     """Run-level counts the controller keeps while the loop runs: samples, lags, step times."""
 
     def __init__(self, steps: int, progress: bool):
-        self.steps = 0
+        self.steps = 0  # batches the trainer consumed
+        self.updates = 0  # optimizer steps (a batch with no learning signal takes none)
         self.generated = 0
         self.trained = 0
         self.dropped_stale = 0
@@ -57,7 +58,9 @@ class RunTally:
         self.train_s: list[float] = []
         self._recent: dict[str, float] = {}
         self._start = time.perf_counter()
-        self._bar = tqdm(total=steps, desc="rl", unit="step", disable=not progress, dynamic_ncols=True)
+        self._bar = tqdm(
+            total=steps, desc="rl", unit="step", disable=not progress, dynamic_ncols=True
+        )
 
     def on_generated(self, samples: int, busy_s: float) -> None:
         """A generate call finished with ``samples`` completed samples."""
@@ -77,9 +80,9 @@ class RunTally:
         for lag, count in enumerate(metrics.get("lags", [])):
             if count:
                 self.lag_hist[lag] += count
-        if metrics["stepped"]:
-            self.steps += 1
-            self._bar.update(1)
+        self.steps += 1
+        self.updates += int(metrics["stepped"])
+        self._bar.update(1)
         elapsed = time.perf_counter() - self._start
         out = {k: v for k, v in metrics.items() if k not in ("lags", "stepped")}
         out |= {
@@ -99,7 +102,7 @@ class RunTally:
         return out
 
     def staleness(self) -> dict:
-        """Mean, max and histogram of the lag (trainer version - sample version) of trained samples."""
+        """Mean, max and histogram of the lag (trainer version - sample version), trained samples."""
         total = sum(self.lag_hist.values())
         mean = sum(lag * n for lag, n in self.lag_hist.items()) / total if total else 0.0
         return {

@@ -1,0 +1,34 @@
+"""Shared fixtures: a tiny model config and one embedded Ray instance per test session."""
+
+from __future__ import annotations
+
+import pytest
+
+from relayrl.config import Config, load_config
+
+TINY = [
+    "model.hidden_size=32",
+    "model.num_layers=1",
+    "model.num_heads=2",
+    "model.intermediate_size=64",
+    "warm_start.steps=0",
+    "log.progress=false",
+    "log.tensorboard=false",
+]
+
+
+def tiny_config(*overrides: str) -> Config:
+    """A config small enough for unit tests: a 1-layer, 32-wide Llama and no warm start."""
+    return load_config(None, [*TINY, *overrides])
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One embedded Ray instance for every test that needs it (start-up costs seconds)."""
+    import ray
+
+    from relayrl.launch import start_ray
+
+    start_ray(tiny_config())
+    yield ray
+    ray.shutdown()

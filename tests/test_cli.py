@@ -1,0 +1,179 @@
+"""The ``relayrl`` command: bad configs exit 2 with one line on stderr, before Ray is imported.
+
+Every case runs the real entry point in a fresh interpreter. Each run pays the torch import that
+config validation needs (about 2 s), so the module starts them all at once and the tests read the
+results.
+"""
+
+import os
+import subprocess
+import sys
+import types
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from relayrl import cli
+from relayrl.config import load_config
+
+REPO = Path(__file__).resolve().parents[1]
+ARITH = "configs/arith.yaml"
+
+# case id -> (arguments after `relayrl train`, text stderr must contain); {tmp} is a scratch folder.
+BAD_CONFIGS = {
+    "unknown-key": ([ARITH, "stepz=5"], "stepz: unknown key (allowed here: mode, steps"),
+    "unknown-nested-key": ([ARITH, "trainer.los=aipo"], "trainer.los: unknown key"),
+    "wrong-type": ([ARITH, "steps=abc"], "steps = 'abc': Input should be a valid integer"),
+    "negative-staleness": ([ARITH, "max_staleness=-1"], "max_staleness = -1: "),
+    "unknown-loss": ([ARITH, "trainer.loss=magic"], "allowed: aipo, aipo_clamp, ppo_clip"),
+    "unknown-advantage": ([ARITH, "trainer.advantage=gae"], "trainer.advantage = 'gae': "),
+    "missing-file": (["configs/does_not_exist.yaml"], "'configs/does_not_exist.yaml' not found"),
+    "missing-model-dir": ([ARITH, "model.path={tmp}/none"], "model.path = '{tmp}/none': "),
+    "malformed-override": ([ARITH, "steps"], "override 'steps' must look like a.b=value"),
+    "broken-yaml": (["{tmp}/broken.yaml"], "broken.yaml' is not readable YAML: "),
+}
+
+# Prints which heavy modules a config error left imported: the controller must come after it.
+IMPORTS_AFTER_ERROR = """
+import sys
+from relayrl.cli import main
+code = main(["train", "configs/arith.yaml", "trainer.loss=magic"])
+print(",".join(m for m in ("ray", "relayrl.controller", "transformers") if m in sys.modules))
+sys.exit(code)
+"""
+
+
+def run(argv: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def tmp(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("cli")
+    (folder / "broken.yaml").write_text("mode: sync\ntrainer: [loss,\n")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def runs(tmp) -> dict[str, subprocess.CompletedProcess]:
+    relayrl = [sys.executable, "-m", "relayrl.cli"]
+    commands = {
+        name: [*relayrl, "train", *(arg.format(tmp=tmp) for arg in args)]
+        for name, (args, _) in BAD_CONFIGS.items()
+    }
+    commands["help"] = [*relayrl, "--help"]
+    commands["train-help"] = [*relayrl, "train", "--help"]
+    commands["imports"] = [sys.executable, "-c", IMPORTS_AFTER_ERROR]
+    script = Path(sys.executable).with_name("relayrl")
+    if script.is_file():
+        commands["console-script"] = [str(script), "train", "configs/does_not_exist.yaml"]
+    with ThreadPoolExecutor(max_workers=os.cpu_count()) as pool:
+        futures = {name: pool.submit(run, argv) for name, argv in commands.items()}
+        return {name: future.result() for name, future in futures.items()}
+
+
+@pytest.mark.parametrize("case", list(BAD_CONFIGS))
+def test_bad_config_exits_2_with_one_line_naming_the_field(case, runs, tmp):
+    result = runs[case]
+    expected = BAD_CONFIGS[case][1].format(tmp=tmp)
+
+    assert result.returncode == 2, result.stderr
+    assert result.stdout == ""
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("relayrl: config error: ")
+    assert expected in lines[0]
+
+
+def test_config_error_exits_before_ray_and_the_controller_are_imported(runs):
+    result = runs["imports"]
+
+    assert result.returncode == 2, result.stderr
+    assert result.stdout.strip() == ""
+    assert result.stderr.startswith("relayrl: config error: trainer.loss = 'magic'")
+
+
+def test_help_shows_the_train_command_and_overrides(runs):
+    result = runs["help"]
+
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: relayrl")
+    assert "train" in result.stdout
+    assert "Overrides use dotted keys" in result.stdout
+    assert "--ray-address auto" in result.stdout
+
+
+def test_train_help_shows_overrides_and_ray_address(runs):
+    result = runs["train-help"]
+
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: relayrl train")
+    for text in ("config", "overrides", "a.b=value overrides", "--ray-address", "--run-dir"):
+        assert text in result.stdout
+
+
+def test_installed_console_script_exits_2_on_a_config_error(runs):
+    if "console-script" not in runs:
+        pytest.skip("relayrl console script not installed next to this interpreter")
+    result = runs["console-script"]
+
+    assert result.returncode == 2
+    assert result.stderr.startswith("relayrl: config error: config file ")
+    assert len(result.stderr.splitlines()) == 1
+
+
+@pytest.fixture
+def trained(monkeypatch) -> list:
+    """Stands in for relayrl.controller so main() can run to the end without training."""
+    calls = []
+    controller = types.ModuleType("relayrl.controller")
+    controller.train = lambda cfg, run_dir: calls.append((cfg, run_dir))
+    monkeypatch.setitem(sys.modules, "relayrl.controller", controller)
+    return calls
+
+
+def test_train_hands_the_validated_config_and_run_dir_to_the_controller(trained, tmp_path):
+    code = cli.main(
+        ["train", str(REPO / ARITH), "mode=sync", "--ray-address", "auto", "steps=7"]
+        + ["--run-dir", str(tmp_path / "run")]
+    )
+
+    assert code == 0
+    ((cfg, run_dir),) = trained
+    assert cfg == load_config(REPO / ARITH, ["mode=sync", "steps=7", "ray.address=auto"])
+    assert run_dir == tmp_path / "run"
+
+
+def test_ray_address_option_wins_over_an_override(trained):
+    cli.main(["train", str(REPO / ARITH), "ray.address=other", "--ray-address", "auto"])
+
+    assert trained[0][0].ray.address == "auto"
+
+
+def test_run_dir_defaults_to_out_dir_name_and_time(trained, tmp_path):
+    cli.main(["train", str(REPO / ARITH), f"run.out_dir={tmp_path}", "run.name=smoke"])
+
+    run_dir = trained[0][1]
+    assert run_dir.parent == tmp_path
+    assert run_dir.name.startswith("smoke-")
+
+
+def test_config_error_in_process_returns_2_without_training(trained, capsys):
+    code = cli.main(["train", str(REPO / ARITH), "max_staleness=-1"])
+
+    assert code == 2
+    assert trained == []
+    err = capsys.readouterr().err
+    assert err.startswith("relayrl: config error: max_staleness = -1: ")
+    assert err.count("\n") == 1
+
+
+def test_unknown_option_is_a_usage_error(trained, capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["train", str(REPO / ARITH), "--bogus", "x"])
+
+    assert info.value.code == 2
+    assert "unrecognized arguments: --bogus" in capsys.readouterr().err
+    assert trained == []

@@ -1,0 +1,305 @@
+"""Config loading: every shipped YAML validates, overrides are typed, errors are one line."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from relayrl.algorithms import ADVANTAGES, LOSSES
+from relayrl.config import Config, ConfigError, TrainerConfig, load_config, save_config
+
+REPO = Path(__file__).resolve().parents[1]
+SHIPPED = sorted((REPO / "configs").glob("*.yaml"))
+ARITH = REPO / "configs" / "arith.yaml"
+
+
+def leaves(tree: dict, prefix: str = "") -> dict[str, object]:
+    """{"a.b": value} for every non-mapping value of a nested mapping."""
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(leaves(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def config_error(path, overrides=()) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(path, overrides)
+    message = str(info.value)
+    assert message and "\n" not in message, message
+    return message
+
+
+def test_configs_are_shipped():
+    assert ARITH in SHIPPED
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=[p.name for p in SHIPPED])
+def test_shipped_config_validates_and_keeps_every_value(path):
+    cfg = load_config(path)
+
+    written = leaves(yaml.safe_load(path.read_text()) or {})
+    resolved = leaves(cfg.model_dump())
+    for key, value in written.items():
+        assert resolved[key] == value, key
+
+
+def test_arith_config_is_async_aipo():
+    cfg = load_config(ARITH)
+
+    assert cfg.mode == "async"
+    assert cfg.trainer.loss == "aipo"
+    assert cfg.trainer.advantage == "grpo"
+    assert cfg.max_staleness == 2
+    assert cfg.warm_start.lr == pytest.approx(1e-3)
+
+
+def test_no_file_gives_the_defaults():
+    assert load_config(None) == Config()
+
+
+def test_empty_file_gives_the_defaults(tmp_path):
+    path = tmp_path / "empty.yaml"
+    path.write_text("# nothing\n")
+
+    assert load_config(path) == Config()
+
+
+@pytest.mark.parametrize(
+    ("override", "field", "expected"),
+    [
+        ("steps=5", "steps", 5),
+        ("mode=sync", "mode", "sync"),
+        ("trainer.lr=1e-4", "trainer.lr", 1e-4),
+        ("trainer.ppo_clip_eps=0.3", "trainer.ppo_clip_eps", 0.3),
+        ("trainer.grad_clip=2", "trainer.grad_clip", 2.0),
+        ("log.tensorboard=false", "log.tensorboard", False),
+        ("task.reverse_answer=False", "task.reverse_answer", False),
+        ("run.name=smoke", "run.name", "smoke"),
+        ("run.name=2024", "run.name", "2024"),
+        ("ray.address=10.0.0.1:6379", "ray.address", "10.0.0.1:6379"),
+        ("ray.address=null", "ray.address", None),
+        ("trainer.loss=ppo_clip", "trainer.loss", "ppo_clip"),
+    ],
+)
+def test_override_sets_a_typed_value(override, field, expected):
+    cfg = load_config(ARITH, [override])
+
+    section, _, name = field.rpartition(".")
+    value = getattr(getattr(cfg, section) if section else cfg, name)
+    assert value == expected
+    assert type(value) is type(expected)
+
+
+def test_null_override_clears_a_value_set_earlier(tmp_path):
+    cfg = load_config(ARITH, ["model.path=" + str(tmp_path), "model.path=null"])
+
+    assert cfg.model.path is None
+
+
+def test_later_overrides_win_over_earlier_ones_and_the_file():
+    cfg = load_config(ARITH, ("steps=5", "trainer.loss=ppo_clip", "steps=7"))
+
+    assert cfg.steps == 7
+    assert cfg.trainer.loss == "ppo_clip"
+    assert cfg.trainer.aipo_rho == 4.0  # untouched file value survives
+
+
+def test_model_path_to_an_existing_directory_is_accepted(tmp_path):
+    assert load_config(None, [f"model.path={tmp_path}"]).model.path == str(tmp_path)
+
+
+def test_every_loss_and_advantage_name_is_accepted():
+    for loss in LOSSES:
+        assert load_config(None, [f"trainer.loss={loss}"]).trainer.loss == loss
+    for advantage in ADVANTAGES:
+        cfg = load_config(None, [f"trainer.advantage={advantage}"])
+        assert cfg.trainer.advantage == advantage
+
+
+def test_unknown_top_level_key_lists_the_allowed_keys():
+    message = config_error(ARITH, ["stepz=5"])
+
+    assert message.startswith("stepz: unknown key")
+    for key in Config.model_fields:
+        assert key in message
+
+
+def test_unknown_top_level_key_in_the_file(tmp_path):
+    path = tmp_path / "typo.yaml"
+    path.write_text("mode: sync\nbogus: 1\n")
+
+    assert config_error(path).startswith("bogus: unknown key (allowed here: mode, steps")
+
+
+def test_unknown_nested_key_lists_the_keys_of_its_section():
+    message = config_error(ARITH, ["trainer.los=ppo_clip"])
+
+    assert message.startswith("trainer.los: unknown key")
+    for key in TrainerConfig.model_fields:
+        assert key in message
+    assert "generator" not in message
+
+
+def test_wrong_type_names_field_value_and_type():
+    message = config_error(ARITH, ["steps=abc"])
+
+    assert message.startswith("steps = 'abc': ")
+    assert "valid integer" in message
+
+
+def test_fractional_int_is_rejected():
+    assert config_error(None, ["steps=1.5"]).startswith("steps = 1.5: ")
+
+
+def test_section_given_a_scalar_is_rejected():
+    assert config_error(None, ["trainer=3"]).startswith("trainer = 3: ")
+
+
+def test_negative_max_staleness_says_what_is_allowed():
+    message = config_error(ARITH, ["max_staleness=-1"])
+
+    assert message.startswith("max_staleness = -1: ")
+    assert "greater than or equal to 0" in message
+
+
+def test_negative_max_staleness_in_the_file(tmp_path):
+    path = tmp_path / "stale.yaml"
+    path.write_text("max_staleness: -3\n")
+
+    assert config_error(path).startswith("max_staleness = -3: ")
+
+
+def test_unknown_mode_lists_the_modes():
+    message = config_error(None, ["mode=fast"])
+
+    assert message.startswith("mode = 'fast': ")
+    assert "'sync' or 'async'" in message
+
+
+def test_unknown_loss_lists_the_losses():
+    message = config_error(ARITH, ["trainer.loss=grpo_magic"])
+
+    assert message.startswith("trainer.loss = 'grpo_magic': unknown loss")
+    assert "aipo, aipo_clamp, ppo_clip" in message
+    for loss in LOSSES:
+        assert loss in message
+
+
+def test_unknown_advantage_lists_the_advantages():
+    message = config_error(ARITH, ["trainer.advantage=gae"])
+
+    assert message.startswith("trainer.advantage = 'gae': unknown advantage")
+    for advantage in ADVANTAGES:
+        assert advantage in message
+
+
+def test_missing_config_file_is_named(tmp_path):
+    path = tmp_path / "nope.yaml"
+
+    assert config_error(path) == f"config file '{path}' not found"
+
+
+def test_directory_as_config_file_is_not_found(tmp_path):
+    assert "not found" in config_error(tmp_path)
+
+
+def test_yaml_syntax_error_is_one_line_with_its_position(tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("mode: sync\ntrainer: [loss,\n")
+
+    message = config_error(path)
+
+    assert message.startswith(f"config file '{path}' is not readable YAML: ")
+    assert "line 3" in message
+
+
+def test_non_utf8_file_is_a_config_error(tmp_path):
+    path = tmp_path / "binary.yaml"
+    path.write_bytes(b"\xff\xfe\x00")
+
+    assert "is not readable YAML" in config_error(path)
+
+
+def test_file_must_hold_a_mapping(tmp_path):
+    path = tmp_path / "list.yaml"
+    path.write_text("- mode\n- sync\n")
+
+    assert config_error(path).endswith("must hold a mapping, got list")
+
+
+def test_model_path_to_a_missing_directory_is_named(tmp_path):
+    missing = tmp_path / "no-checkpoint"
+
+    message = config_error(ARITH, [f"model.path={missing}"])
+
+    assert message == f"model.path = '{missing}': directory does not exist"
+
+
+def test_unknown_builtin_tokenizer_lists_the_builtins():
+    message = config_error(None, ["model.tokenizer=builtin:bpe"])
+
+    assert message.startswith("model.tokenizer = 'builtin:bpe': ")
+    assert "allowed: builtin:char" in message
+
+
+@pytest.mark.parametrize("override", ["steps", "=5", "trainer.loss"])
+def test_override_without_key_and_equals_is_rejected(override):
+    message = config_error(ARITH, [override])
+
+    assert message == f"override '{override}' must look like a.b=value"
+
+
+def test_unresolvable_interpolation_is_one_line():
+    assert "nope" in config_error(None, ["run.name=${nope}"])
+
+
+def test_several_problems_report_the_first_and_count_the_rest():
+    message = config_error(None, ["steps=0", "max_staleness=-1"])
+
+    assert message.startswith("steps = 0: ")
+    assert message.endswith("(and 1 more)")
+
+
+def test_config_error_hides_the_library_exception():
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["steps=abc"])
+
+    assert info.value.__cause__ is None
+    assert info.value.__suppress_context__
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=[p.name for p in SHIPPED])
+def test_save_config_round_trips_shipped_configs(path, tmp_path):
+    cfg = load_config(path)
+    saved = tmp_path / "config.yaml"
+
+    save_config(cfg, saved)
+
+    assert load_config(saved) == cfg
+
+
+def test_save_config_round_trips_overridden_values(tmp_path):
+    cfg = load_config(
+        ARITH,
+        [
+            "mode=sync",
+            "trainer.loss=ppo_clip",
+            "trainer.lr=1e-7",
+            "ray.address=auto",
+            f"model.path={tmp_path}",
+            "run.name=2024",
+            "log.progress=false",
+        ],
+    )
+    saved = tmp_path / "config.yaml"
+
+    save_config(cfg, saved)
+
+    assert load_config(saved) == cfg
+    written = yaml.safe_load(saved.read_text())
+    assert list(written) == list(Config.model_fields)
+    assert written["trainer"]["lr"] == 1e-7
+    assert written["run"]["name"] == "2024"
