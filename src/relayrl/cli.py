@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the process exit code (2 for configuration errors)."""
     parser = argparse.ArgumentParser(
         prog="relayrl",
-        description="Distributed, asynchronous RL for language and vision-language-action policies.",
+        description="Distributed, asynchronous RL of language and vision-language-action policies.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=EPILOG,
     )

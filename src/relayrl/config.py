@@ -174,7 +174,7 @@ class Config(_Section):
     steps: int = Field(
         600,
         ge=1,
-        description="RL steps: batches the trainer consumes (each takes at most one optimizer step).",
+        description="RL steps: batches the trainer consumes (at most one optimizer step each).",
     )
     max_staleness: int = Field(
         2, ge=0, description="Most policy versions a trained token may lag the trainer."

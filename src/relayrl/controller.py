@@ -56,9 +56,13 @@ async def run_async(cfg: Config, ex: Executors, tally: RunTally, log: MetricsLog
 
     async def rollout_loop() -> None:
         batches = 0
+
+        def may_start() -> bool:
+            return tally.steps >= batches - cfg.max_staleness
+
         while True:
             async with published:
-                await published.wait_for(lambda: tally.steps >= batches - cfg.max_staleness)
+                await published.wait_for(may_start)
             meta_ref, batch_ref = ex.generator.generate.options(num_returns=2).remote()
             meta = await meta_ref
             tally.on_generated(meta.samples, meta.busy_s)

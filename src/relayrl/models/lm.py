@@ -24,7 +24,7 @@ def builtin_tokenizer_dir(name: str = "char") -> Path:
 
 
 def load_tokenizer(spec: str) -> PreTrainedTokenizerBase:
-    """Load a tokenizer from a directory or ``builtin:NAME``; it must define pad and EOS, pad != EOS."""
+    """A tokenizer from a directory or ``builtin:NAME``, with pad and EOS defined and distinct."""
     folder = builtin_tokenizer_dir(spec.split(":", 1)[1]) if spec.startswith("builtin:") else spec
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(folder))
     if tokenizer.eos_token_id is None:

@@ -102,7 +102,7 @@ class RunTally:
         return out
 
     def staleness(self) -> dict:
-        """Mean, max and histogram of the lag (trainer version - sample version), trained samples."""
+        """Mean, max and histogram of trained samples' lag (trainer version - sample version)."""
         total = sum(self.lag_hist.values())
         mean = sum(lag * n for lag, n in self.lag_hist.items()) / total if total else 0.0
         return {
