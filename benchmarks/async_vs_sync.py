@@ -2,13 +2,13 @@
 
 Both controller modes run the same job (``configs/arith.yaml`` unless told otherwise) in one
 process, interleaved sync, async, sync, async, ... so they share the machine state and the
-embedded Ray instance that the first ``train()`` call starts. Every run warm-starts first, so
-generation lengths are realistic: a barely trained model generates max-length garbage, a
-warm-started one stops at EOS.
+embedded Ray instance that the first ``train()`` call starts. Every run warm-starts as the config
+says first, so generation lengths are realistic: a barely trained model generates max-length
+garbage, a warm-started one stops at EOS.
 
 For each mode it reports
 
-- ``perf.step_time_s``: RL wall-clock per optimizer step (mean over repeats, and each value);
+- ``perf.step_time_s``: RL wall-clock per RL step (mean over repeats, and each value);
 - ``perf.busy``: the fraction of the RL wall-clock each executor spent working;
 - ``perf.phase_s_per_step``: generate, score and train time per step, timed inside the executors;
 - staleness mean / max and whether every generated sample is accounted for.
@@ -89,7 +89,6 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {
             "config": _relative(str(args.config)),
             "steps": args.steps,
-            "warm_start_steps": args.warm_start_steps,
             "repeats": args.repeats,
             "overrides": [_relative(item) for item in args.overrides],
         },
@@ -116,12 +115,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--config", type=Path, default=REPO / "configs" / "arith.yaml", help="configs/arith.yaml"
     )
     parser.add_argument("--steps", type=int, default=100, help="RL steps per run")
-    parser.add_argument(
-        "--warm-start-steps",
-        type=int,
-        default=650,
-        help="supervised warm-start steps before RL, so completions have realistic lengths",
-    )
     parser.add_argument("--repeats", type=int, default=1, help="runs per mode, interleaved")
     parser.add_argument(
         "--out",
@@ -131,8 +124,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("overrides", nargs="*", help="a.b=value config overrides for both modes")
     args = parser.parse_args(argv)
-    if args.steps < 1 or args.repeats < 1 or args.warm_start_steps < 0:
-        parser.error("--steps and --repeats must be >= 1, --warm-start-steps >= 0")
+    if args.steps < 1 or args.repeats < 1:
+        parser.error("--steps and --repeats must be >= 1")
     return args
 
 
@@ -144,7 +137,6 @@ def run_once(args: argparse.Namespace, mode: str, repeat: int, tmp: Path) -> dic
             *args.overrides,
             f"mode={mode}",
             f"steps={args.steps}",
-            f"warm_start.steps={args.warm_start_steps}",
             "log.progress=false",
             "log.tensorboard=false",
             f"run.out_dir={tmp}",

@@ -11,7 +11,7 @@ TINY = [
     "model.num_layers=1",
     "model.num_heads=2",
     "model.intermediate_size=64",
-    "warm_start.steps=0",
+    "warm_start.max_steps=0",
     "log.progress=false",
     "log.tensorboard=false",
 ]

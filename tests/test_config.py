@@ -52,7 +52,7 @@ def test_arith_config_is_async_aipo():
     assert cfg.mode == "async"
     assert cfg.trainer.loss == "aipo"
     assert cfg.trainer.advantage == "grpo"
-    assert cfg.max_staleness == 2
+    assert cfg.max_staleness == 1
     assert cfg.warm_start.lr == pytest.approx(1e-3)
 
 

@@ -19,7 +19,8 @@ SMALL = [
     "generator.max_new_tokens_per_step=4",
     "task.digits=1",
     "task.heldout_size=20",
-    "warm_start.steps=40",
+    "warm_start.max_steps=40",
+    "warm_start.target_accuracy=0",
     "warm_start.lr=1e-2",
     "trainer.lr=1e-2",
 ]
@@ -47,7 +48,7 @@ def test_async_run_changes_parameters_and_records_bounded_lags(ray_session, tmp_
     assert set(summary["perf"]["busy"]) == {"generator", "rewarder", "trainer"}
 
     warm = Trainer(cfg)  # the same seeded warm start the run did, before any RL step
-    warm.warm_start()
+    warm.warm_start(40)
     before_rl = warm.model.state_dict()
     trained = load_file(tmp_path / "run" / "checkpoint" / "model.safetensors")
     moved = max((t - before_rl[name]).abs().max().item() for name, t in trained.items())

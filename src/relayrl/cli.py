@@ -65,7 +65,11 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = (
         Path(args.run_dir) if args.run_dir else Path(cfg.run.out_dir) / f"{cfg.run.name}-{stamp}"
     )
-    run_training(cfg, run_dir)
+    try:
+        run_training(cfg, run_dir)
+    except KeyboardInterrupt:
+        print(f"relayrl: interrupted; partial results in {run_dir}", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -83,7 +83,17 @@ class TaskConfig(_Section):
 class WarmStartConfig(_Section):
     """Supervised warm start on a small fixed set of worked examples before RL."""
 
-    steps: int = Field(650, ge=0, description="Optimizer steps; 0 skips the warm start.")
+    max_steps: int = Field(2000, ge=0, description="Most optimizer steps; 0 skips the warm start.")
+    target_accuracy: float = Field(
+        0.15,
+        ge=0,
+        le=1,
+        description="Stop once greedy accuracy on a probe of training problems reaches this; "
+        "RL needs some correct samples to reinforce, and the point where supervised training "
+        "gets there varies with the seed. 0 runs max_steps.",
+    )
+    check_every: int = Field(20, ge=1, description="Steps between two probe evaluations.")
+    probe_size: int = Field(256, ge=1, description="Training problems in the probe.")
     examples: int = Field(1000, ge=1, description="Size of the fixed worked-example set.")
     batch_size: int = Field(64, ge=1, description="Examples per step.")
     lr: float = Field(1e-3, gt=0, description="AdamW learning rate.")
@@ -116,12 +126,16 @@ class TrainerConfig(_Section):
     loss: str = Field("aipo", description="Loss name: " + ", ".join(sorted(LOSSES)) + ".")
     advantage: str = Field("grpo", description="Advantage: " + ", ".join(sorted(ADVANTAGES)) + ".")
     lr: float = Field(3e-4, gt=0, description="AdamW learning rate.")
+    lr_schedule: Literal["constant", "cosine"] = Field(
+        "cosine", description="cosine: decay from lr to lr * lr_final_ratio over the RL steps."
+    )
+    lr_final_ratio: float = Field(0.1, ge=0, le=1, description="Final lr as a fraction of lr.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     grad_clip: float = Field(1.0, gt=0, description="Global gradient-norm clip.")
     skip_zero_signal: bool = Field(
         True,
-        description="Skip groups whose rewards are all equal: their advantage, hence gradient, "
-        "is zero, and leaving them out of the token mean saves their forward/backward pass.",
+        description="Leave groups whose rewards are all equal (zero advantage, zero gradient) "
+        "out of the forward/backward pass; the loss is rescaled so the update is unchanged.",
     )
     aipo_rho: float = Field(4.0, gt=0, description="AIPO truncation rho (LlamaRL uses 2..10).")
     ppo_clip_eps: float = Field(0.2, gt=0, lt=1, description="PPO-clip epsilon.")

@@ -112,8 +112,7 @@ def train(cfg: Config, run_dir: Path) -> dict:
     ex = place_executors(cfg)
     log = MetricsLog(run_dir, cfg.log.tensorboard)
     try:
-        warm = ray.get(ex.trainer.warm_start.remote())
-        ray.get(ex.generator.update_weights.remote(ex.trainer.publish.remote()))
+        warm = _warm_start(cfg, ex)
         eval_start = _evaluate(ex)
         log.log(0, {"eval/accuracy": eval_start["accuracy"], **warm})
         busy_before = _busy(ex)
@@ -127,6 +126,10 @@ def train(cfg: Config, run_dir: Path) -> dict:
         log.log(tally.steps, {"eval/accuracy": eval_end["accuracy"]})
         checkpoint = ray.get(ex.trainer.save_pretrained.remote(str(run_dir / "checkpoint")))
         pending = ray.get(ex.generator.stats.remote())["pending"]
+    except BaseException as err:
+        status = "interrupted" if isinstance(err, KeyboardInterrupt) else "failed"
+        _write_summary(run_dir, summary | {"status": status, "error": repr(err)})
+        raise
     finally:
         log.close()
         stop_executors(ex)
@@ -174,6 +177,22 @@ def train(cfg: Config, run_dir: Path) -> dict:
     return summary
 
 
+def _warm_start(cfg: Config, ex: Executors) -> dict:
+    """Supervised slices until the probe accuracy reaches the target; publishes version 0."""
+    ws, steps, probe = cfg.warm_start, 0, 0.0
+    metrics: dict = {}
+    while steps < ws.max_steps:
+        metrics = ray.get(ex.trainer.warm_start.remote(min(ws.check_every, ws.max_steps - steps)))
+        steps += min(ws.check_every, ws.max_steps - steps)
+        if ws.target_accuracy > 0:
+            ray.get(ex.generator.update_weights.remote(ex.trainer.publish.remote()))
+            probe = _evaluate(ex, "probe")["accuracy"]
+            if probe >= ws.target_accuracy:
+                break
+    ray.get(ex.generator.update_weights.remote(ex.trainer.publish.remote()))
+    return metrics | {"warm_start/steps": steps, "warm_start/probe_accuracy": probe}
+
+
 def _log_step(cfg: Config, tally: RunTally, log: MetricsLog, metrics: dict) -> None:
     out = tally.on_trained(metrics)
     if tally.steps % cfg.log.every == 0 or tally.steps == cfg.steps:
@@ -191,8 +210,8 @@ async def _get_or_raise(channel: Channel, workers: list[asyncio.Task]):
     return get.result()
 
 
-def _evaluate(ex: Executors) -> dict:
-    batch_ref = ex.generator.evaluate.remote()
+def _evaluate(ex: Executors, split: str = "heldout") -> dict:
+    batch_ref = ex.generator.evaluate.remote(split)
     score, _ = ray.get(ex.rewarder.score.options(num_returns=2).remote(batch_ref))
     version = ray.get(ex.generator.stats.remote())["version"]
     return {"accuracy": score["reward_mean"], "n": score["samples"], "version": version}

@@ -52,6 +52,7 @@ class Generator:
         self.tokenizer = load_tokenizer(cfg.model.tokenizer)
         self.model = build_policy(cfg.model, self.tokenizer, cfg.run.seed).eval()
         self.task = AdditionTask(cfg.task.digits, cfg.task.reverse_answer, cfg.task.heldout_size)
+        self.probe = self.task.sample(cfg.warm_start.probe_size, random.Random(cfg.run.seed + 4))
         self.rng = random.Random(cfg.run.seed + 1)
         self.torch_rng = torch.Generator().manual_seed(cfg.run.seed + 2)
         self.version = 0
@@ -105,12 +106,10 @@ class Generator:
         )
         return meta, batch
 
-    def evaluate(
-        self, problems: list[Problem] | None = None, batch_size: int = 500
-    ) -> RolloutBatch:
-        """Greedy completions of ``problems`` (default: the held-out split) in one group each."""
+    def evaluate(self, split: str = "heldout", batch_size: int = 500) -> RolloutBatch:
+        """Greedy completions of the held-out split, or of the probe of training problems."""
         start = time.perf_counter()
-        problems = self.task.heldout() if problems is None else problems
+        problems = {"heldout": self.task.heldout, "probe": lambda: self.probe}[split]()
         samples: list[_Sample] = []
         for offset in range(0, len(problems), batch_size):
             part = [

@@ -9,6 +9,7 @@ behaviour log-probs recorded by the generator, takes one optimizer step and bump
 from __future__ import annotations
 
 import copy
+import math
 import random
 import time
 from pathlib import Path
@@ -36,6 +37,7 @@ class Trainer:
         self.tokenizer = load_tokenizer(cfg.model.tokenizer)
         self.model = build_policy(cfg.model, self.tokenizer, cfg.run.seed).train()
         self.optimizer = self._adamw(cfg.trainer.lr)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.loss_fn = LOSSES[cfg.trainer.loss]
         self.loss_kwargs = {
             "aipo": {"rho": cfg.trainer.aipo_rho},
@@ -44,31 +46,25 @@ class Trainer:
         }.get(cfg.trainer.loss, {})
         self.advantage_fn = ADVANTAGES[cfg.trainer.advantage]
         self.version = 0
+        self._warm: tuple | None = None
         self.busy_s = 0.0
         self.trained = 0
         self.dropped_stale = 0
 
-    def warm_start(self) -> dict[str, float]:
-        """Supervised steps on a fixed set of worked examples (prompt masked out of the loss)."""
-        ws = self.cfg.warm_start
-        if ws.steps == 0:
-            return {"warm_start/steps": 0}
+    def warm_start(self, steps: int) -> dict[str, float]:
+        """``steps`` supervised steps on a fixed set of worked examples (prompt masked out).
+
+        The example set, its sampler and the optimizer persist across calls, so the controller
+        can run the warm start in slices and check progress in between.
+        """
         start = time.perf_counter()
-        task = AdditionTask(
-            self.cfg.task.digits, self.cfg.task.reverse_answer, self.cfg.task.heldout_size
-        )
-        rng = random.Random(self.cfg.run.seed + 3)
-        examples = task.sample(ws.examples, rng)
-        eos = self.tokenizer.eos_token_id
-        encoded = []
-        for problem in examples:
-            prompt = encode_prompt(self.tokenizer, problem.prompt)
-            answer = self.tokenizer(problem.answer, add_special_tokens=False)["input_ids"] + [eos]
-            encoded.append((prompt, answer))
-        optimizer = self._adamw(ws.lr)
+        if self._warm is None:
+            self._warm = self._warm_state()
+        examples, rng, optimizer = self._warm
+        ws = self.cfg.warm_start
         loss = torch.zeros(())
-        for _ in range(ws.steps):
-            rows = [encoded[rng.randrange(len(encoded))] for _ in range(ws.batch_size)]
+        for _ in range(steps):
+            rows = [examples[rng.randrange(len(examples))] for _ in range(ws.batch_size)]
             tokens, loss_mask, attention = _pack(rows, self.tokenizer.pad_token_id)
             logits = self.model(input_ids=tokens, attention_mask=attention).logits[:, :-1]
             nll = torch.nn.functional.cross_entropy(
@@ -80,11 +76,20 @@ class Trainer:
             optimizer.step()
         elapsed = time.perf_counter() - start
         self.busy_s += elapsed
-        return {
-            "warm_start/steps": ws.steps,
-            "warm_start/loss": float(loss.detach()),
-            "warm_start/time_s": elapsed,
-        }
+        return {"warm_start/loss": float(loss.detach()), "warm_start/time_s": elapsed}
+
+    def _warm_state(self) -> tuple[list, random.Random, torch.optim.Optimizer]:
+        task = AdditionTask(
+            self.cfg.task.digits, self.cfg.task.reverse_answer, self.cfg.task.heldout_size
+        )
+        rng = random.Random(self.cfg.run.seed + 3)
+        eos = self.tokenizer.eos_token_id
+        examples = []
+        for problem in task.sample(self.cfg.warm_start.examples, rng):
+            prompt = encode_prompt(self.tokenizer, problem.prompt)
+            answer = self.tokenizer(problem.answer, add_special_tokens=False)["input_ids"] + [eos]
+            examples.append((prompt, answer))
+        return examples, rng, self._adamw(self.cfg.warm_start.lr)
 
     def train_step(self, batch: RolloutBatch) -> dict[str, float]:
         """Drop stale groups, take one optimizer step on the rest, bump the version."""
@@ -118,6 +123,7 @@ class Trainer:
             "lags": np.bincount(lag, minlength=self.cfg.max_staleness + 1).tolist(),
         }
         self.trained += len(batch)
+        all_tokens = int(batch.completion_len.sum())
         if self.cfg.trainer.skip_zero_signal:
             batch = batch.select(~zero_signal.numpy())
             rewards = torch.from_numpy(batch.rewards)
@@ -135,12 +141,16 @@ class Trainer:
         mu = torch.from_numpy(batch.logprobs[:, 1:])
         token_adv = advantages[:, None].expand_as(logp)
         loss, loss_metrics = self.loss_fn(logp, mu, token_adv, mask, **self.loss_kwargs)
+        # The losses take a token mean over the tokens they see; skipped zero-advantage tokens
+        # belong in its denominator, so skipping them leaves the update exactly as it would be.
+        loss = loss * (int(batch.completion_len.sum()) / all_tokens)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(
             self.model.parameters(), self.cfg.trainer.grad_clip
         )
         self.optimizer.step()
+        self.scheduler.step()
         self.version += 1
 
         elapsed = time.perf_counter() - start
@@ -149,6 +159,7 @@ class Trainer:
             "stepped": 1.0,
             "loss/value": float(loss.detach()),
             "loss/grad_norm": float(grad_norm),
+            "loss/lr": self.scheduler.get_last_lr()[0],
             **{f"loss/{k}": v for k, v in loss_metrics.items()},
             "perf/train_s": elapsed,
             "version": float(self.version),
@@ -182,6 +193,7 @@ class Trainer:
             {
                 "model": self.model.state_dict(),
                 "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
                 "version": self.version,
                 "trained": self.trained,
                 "dropped_stale": self.dropped_stale,
@@ -192,9 +204,20 @@ class Trainer:
         """Restore what ``state_dict`` saved."""
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
         self.version = state["version"]
         self.trained = state["trained"]
         self.dropped_stale = state["dropped_stale"]
+
+    def _lr_factor(self, update: int) -> float:
+        """Multiplier of the RL learning rate after ``update`` optimizer steps."""
+        tc = self.cfg.trainer
+        if tc.lr_schedule == "constant":
+            return 1.0
+        progress = min(update / max(self.cfg.steps, 1), 1.0)
+        return tc.lr_final_ratio + (1 - tc.lr_final_ratio) * 0.5 * (
+            1 + math.cos(math.pi * progress)
+        )
 
     def _adamw(self, lr: float) -> torch.optim.Optimizer:
         return torch.optim.AdamW(
