@@ -92,3 +92,26 @@ def test_state_dict_round_trip():
     a.train_step(_batch([1]))
     b.train_step(_batch([1]))
     assert all(torch.allclose(x, y) for x, y in zip(_params(a), _params(b), strict=True))
+
+
+def test_cosine_schedule_decays_from_lr_to_the_final_ratio():
+    trainer = Trainer(tiny_config("steps=10", "trainer.lr_final_ratio=0.1"))
+    # 0.1 + 0.9 * (1 + cos(pi * progress)) / 2: 1.0 at the start, 0.55 halfway, 0.1 at the end
+    assert trainer._lr_factor(0) == 1.0
+    assert abs(trainer._lr_factor(5) - 0.55) < 1e-12
+    assert abs(trainer._lr_factor(10) - 0.1) < 1e-12
+    assert abs(trainer._lr_factor(20) - 0.1) < 1e-12
+    constant = Trainer(tiny_config("trainer.lr_schedule=constant"))
+    assert constant._lr_factor(7) == 1.0
+
+
+def test_skipping_zero_signal_groups_leaves_the_update_unchanged():
+    skip = Trainer(tiny_config("trainer.skip_zero_signal=true"))
+    full = Trainer(tiny_config("trainer.skip_zero_signal=false"))
+    batch = _batch([0, 0])
+    batch.rewards[2:] = 1.0  # the second group is all-correct: zero advantage
+    skip.train_step(batch)
+    full.train_step(batch)
+    assert all(
+        torch.allclose(a, b, atol=1e-7) for a, b in zip(_params(skip), _params(full), strict=True)
+    )
