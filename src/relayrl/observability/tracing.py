@@ -1,0 +1,99 @@
+"""Spans of executor work, written as a Chrome/Perfetto trace and used for busy fractions.
+
+Every executor keeps a ``Tracer``; each unit of work (a generate call, a train step, a weight
+swap) is one span with the policy version it ran under. The same spans give ``perf.busy`` in
+``summary.json`` and the ``trace.json`` timeline, so the two cannot disagree. Times come from
+``time.time()`` so that spans recorded in different processes (or hosts) share one axis.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Span:
+    """One timed piece of work of one executor."""
+
+    name: str
+    start: float  # seconds since the epoch
+    end: float
+    version: int
+
+
+class Tracer:
+    """Records spans; ``busy`` spans count towards the executor's busy time, waits do not."""
+
+    def __init__(self, executor: str, max_spans: int = 200_000):
+        self.executor = executor
+        self.max_spans = max_spans
+        self.spans: list[Span] = []
+        self.waits: list[Span] = []
+        self.dropped = 0
+
+    @contextmanager
+    def span(self, name: str, version: int = -1) -> Iterator[None]:
+        """Time the body as a busy span called ``name``."""
+        start = time.time()
+        try:
+            yield
+        finally:
+            self._add(self.spans, Span(name, start, time.time(), version))
+
+    def wait(self, name: str, start: float, end: float, version: int = -1) -> None:
+        """Record an idle wait (e.g. on a channel) that already happened."""
+        self._add(self.waits, Span(name, start, end, version))
+
+    def busy_s(self, since: float = 0.0, until: float = float("inf")) -> float:
+        """Seconds of busy spans inside the window [since, until]."""
+        return sum(
+            max(0.0, min(s.end, until) - max(s.start, since)) for s in self.spans if s.end > since
+        )
+
+    def _add(self, spans: list[Span], span: Span) -> None:
+        if len(spans) >= self.max_spans:
+            self.dropped += 1
+            return
+        spans.append(span)
+
+
+def chrome_trace(tracers: dict[str, tuple[list[Span], list[Span]]], origin: float) -> dict:
+    """Chrome trace-event JSON (opens in Perfetto and chrome://tracing) for executors' spans.
+
+    ``tracers`` maps an executor name to its (busy spans, waits); each executor is one process
+    row with a ``work`` thread and a ``wait`` thread. Times are microseconds since ``origin``.
+    """
+    events: list[dict] = []
+    for pid, (executor, (busy, waits)) in enumerate(sorted(tracers.items()), start=1):
+        events.append(_meta("process_name", pid, 0, executor))
+        for tid, (label, spans) in enumerate((("work", busy), ("wait", waits)), start=1):
+            events.append(_meta("thread_name", pid, tid, label))
+            for s in spans:
+                events.append(
+                    {
+                        "name": s.name,
+                        "cat": label,
+                        "ph": "X",
+                        "ts": round((s.start - origin) * 1e6, 1),
+                        "dur": round((s.end - s.start) * 1e6, 1),
+                        "pid": pid,
+                        "tid": tid,
+                        "args": {"version": s.version},
+                    }
+                )
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def write_trace(path: Path, trace: dict) -> Path:
+    """Write a trace made by ``chrome_trace``."""
+    path.write_text(json.dumps(trace))
+    return path
+
+
+def _meta(kind: str, pid: int, tid: int, name: str) -> dict:
+    return {"name": kind, "ph": "M", "pid": pid, "tid": tid, "args": {"name": name}}
