@@ -60,6 +60,26 @@ def test_async_run_changes_parameters_and_records_bounded_lags(ray_session, tmp_
     grad_norms = [json.loads(line).get("loss/grad_norm", 0.0) for line in lines]
     assert max(grad_norms) > 0
     assert (tmp_path / "run" / "learning_curve.png").stat().st_size > 0
+    _check_trace_agrees_with_summary(tmp_path / "run", summary)
+    assert (tmp_path / "run" / "report.md").is_file()
+
+
+def _check_trace_agrees_with_summary(run_dir, summary):
+    """Busy fractions recomputed from trace.json alone match summary.json within 2 points."""
+    trace = json.loads((run_dir / "trace.json").read_text())
+    start, end = trace["otherData"]["rl_window_us"]
+    names = {
+        e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"
+    }
+    busy = dict.fromkeys(names.values(), 0.0)
+    for e in trace["traceEvents"]:
+        if e["ph"] == "X" and e["cat"] == "work":
+            overlap = min(e["ts"] + e["dur"], end) - max(e["ts"], start)
+            busy[names[e["pid"]]] += max(0.0, overlap) / (end - start)
+    for name, fraction in summary["perf"]["busy"].items():
+        assert abs(busy[name] - fraction) < 0.02, (name, busy[name], fraction)
+    assert summary["perf"]["busy"]["trainer"] > 0
+    assert (run_dir / "timeline.png").stat().st_size > 0
 
 
 def test_sync_run_is_strictly_on_policy(ray_session, tmp_path):

@@ -44,9 +44,21 @@ def main(argv: list[str] | None = None) -> int:
         "starting an embedded one; same as ray.address=...",
     )
     train.add_argument("--run-dir", default=None, help="write here instead of OUT_DIR/NAME-TIME")
+    report = commands.add_parser(
+        "report",
+        help="write RUN_DIR/report.md with plots from a run's files",
+        description="Build a Markdown report (learning curves, throughput, busy fractions, "
+        "timeline, lag histogram, weight-sync times, evaluation) from a run directory; works on "
+        "finished and interrupted runs.",
+    )
+    report.add_argument("run_dir", help="a run directory written by relayrl train")
     # parse_args would reject overrides placed after an option (`--ray-address auto steps=5`):
     # argparse fills the nargs="*" positional once, so later ones come back as leftovers.
     args, leftovers = parser.parse_known_args(argv)
+    if args.command == "report":
+        if leftovers:
+            parser.error(f"unrecognized arguments: {' '.join(leftovers)}")
+        return _report(args.run_dir)
     if any(item.startswith("-") for item in leftovers):
         parser.error(f"unrecognized arguments: {' '.join(leftovers)}")
 
@@ -70,6 +82,18 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"relayrl: interrupted; partial results in {run_dir}", file=sys.stderr)
         return 130
+    return 0
+
+
+def _report(run_dir: str) -> int:
+    from relayrl.observability.report import write_report
+
+    try:
+        path = write_report(Path(run_dir))
+    except FileNotFoundError as err:
+        print(f"relayrl: {err}", file=sys.stderr)
+        return 2
+    print(path)
     return 0
 
 

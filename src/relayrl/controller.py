@@ -8,6 +8,7 @@ references between them, so rollout tensors move executor to executor and never 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import platform
 import time
@@ -19,7 +20,9 @@ from relayrl.channels.local import Channel
 from relayrl.config import Config, save_config
 from relayrl.launch import Executors, place_executors, start_ray, stop_executors
 from relayrl.observability.metrics import MetricsLog, RunTally
-from relayrl.observability.plots import plot_learning_curve
+from relayrl.observability.plots import plot_learning_curve, plot_timeline
+from relayrl.observability.report import write_report
+from relayrl.observability.tracing import Span, busy_seconds, chrome_trace, write_trace
 
 
 async def run_sync(cfg: Config, ex: Executors, tally: RunTally, log: MetricsLog) -> int:
@@ -49,8 +52,11 @@ async def run_async(cfg: Config, ex: Executors, tally: RunTally, log: MetricsLog
     trainer still checks every token and drops (and counts) any group that is older.
     Returns the number of samples generated but not trained when the last step finished.
     """
-    generated: Channel = Channel(cfg.channels.capacity, "generated")
-    scored: Channel = Channel(cfg.channels.capacity, "scored")
+    idle = tally.idle
+    generated: Channel = Channel(
+        cfg.channels.capacity, "generated", idle["generator"], idle["rewarder"]
+    )
+    scored: Channel = Channel(cfg.channels.capacity, "scored", idle["rewarder"], idle["trainer"])
     published = asyncio.Condition()
     scoring = {"samples": 0}
 
@@ -61,8 +67,10 @@ async def run_async(cfg: Config, ex: Executors, tally: RunTally, log: MetricsLog
             return tally.steps >= batches - cfg.max_staleness
 
         while True:
+            start = time.time()
             async with published:
                 await published.wait_for(may_start)
+            idle["generator"].wait("staleness gate", start, time.time())
             meta_ref, batch_ref = ex.generator.generate.options(num_returns=2).remote()
             meta = await meta_ref
             tally.on_generated(meta.samples, meta.busy_s)
@@ -103,7 +111,7 @@ LOOPS = {"sync": run_sync, "async": run_async}
 
 def train(cfg: Config, run_dir: Path) -> dict:
     """Run a whole LLM job in ``run_dir`` and return its summary (also written to summary.json)."""
-    started = time.perf_counter()
+    started = time.time()
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "config.yaml")
     summary: dict = {"mode": cfg.mode, "status": "running", "run_dir": str(run_dir), "steps": 0}
@@ -111,28 +119,37 @@ def train(cfg: Config, run_dir: Path) -> dict:
     start_ray(cfg)
     ex = place_executors(cfg)
     log = MetricsLog(run_dir, cfg.log.tensorboard)
+    tally = RunTally(cfg.steps, cfg.log.progress)
+    rl_start = rl_end = time.time()
     try:
         warm = _warm_start(cfg, ex)
         eval_start = _evaluate(ex)
         log.log(0, {"eval/accuracy": eval_start["accuracy"], **warm})
-        busy_before = _busy(ex)
-        tally = RunTally(cfg.steps, cfg.log.progress)
-        rl_start = time.perf_counter()
+        tally.start()
+        rl_start = time.time()
         in_flight = asyncio.run(LOOPS[cfg.mode](cfg, ex, tally, log))
-        rl_wall = time.perf_counter() - rl_start
+        rl_end = time.time()
         tally.close()
-        busy = {name: (_busy(ex)[name] - busy_before[name]) / rl_wall for name in busy_before}
+        spans = _collect_spans(ex, tally)
         eval_end = _evaluate(ex)
         log.log(tally.steps, {"eval/accuracy": eval_end["accuracy"]})
         checkpoint = ray.get(ex.trainer.save_pretrained.remote(str(run_dir / "checkpoint")))
         pending = ray.get(ex.generator.stats.remote())["pending"]
     except BaseException as err:
+        tally.close()
         status = "interrupted" if isinstance(err, KeyboardInterrupt) else "failed"
         _write_summary(run_dir, summary | {"status": status, "error": repr(err)})
+        with contextlib.suppress(Exception):  # best effort: the executors may be gone
+            _save_trace(run_dir, _collect_spans(ex, tally), started, (rl_start, time.time()), 0)
+        with contextlib.suppress(Exception):
+            write_report(run_dir)
         raise
     finally:
         log.close()
         stop_executors(ex)
+    rl_wall = rl_end - rl_start
+    busy = {name: busy_seconds(b, rl_start, rl_end) / rl_wall for name, (b, _) in spans.items()}
+    trace, timeline = _save_trace(run_dir, spans, started, (rl_start, rl_end), tally.steps)
     plot = plot_learning_curve(
         log.path,
         run_dir / "learning_curve.png",
@@ -143,7 +160,7 @@ def train(cfg: Config, run_dir: Path) -> dict:
         "mode": cfg.mode,
         "status": "finished",
         "run_dir": str(run_dir),
-        "wall_clock_s": time.perf_counter() - started,
+        "wall_clock_s": time.time() - started,
         "steps": tally.steps,
         "updates": tally.updates,
         "warm_start": warm,
@@ -169,11 +186,15 @@ def train(cfg: Config, run_dir: Path) -> dict:
             "checkpoint": checkpoint,
             "metrics": str(log.path),
             "learning_curve": str(plot),
+            "trace": str(trace),
+            "timeline": str(timeline),
+            "report": str(run_dir / "report.md"),
             "config": str(run_dir / "config.yaml"),
         },
         "machine": {"platform": platform.platform(), "python": platform.python_version()},
     }
     _write_summary(run_dir, summary)
+    write_report(run_dir)
     return summary
 
 
@@ -217,9 +238,34 @@ def _evaluate(ex: Executors, split: str = "heldout") -> dict:
     return {"accuracy": score["reward_mean"], "n": score["samples"], "version": version}
 
 
-def _busy(ex: Executors) -> dict[str, float]:
-    stats = ray.get([handle.stats.remote() for handle in ex.all().values()])
-    return {name: s["busy_s"] for name, s in zip(ex.all(), stats, strict=True)}
+def _collect_spans(ex: Executors, tally: RunTally) -> dict[str, tuple[list[Span], list[Span]]]:
+    """Each executor's busy spans, and its waits: its own plus those the controller saw."""
+    traces = ray.get([handle.trace.remote() for handle in ex.all().values()], timeout=60)
+    return {
+        name: (busy, sorted(waits + tally.idle[name].waits, key=lambda s: s.start))
+        for name, (busy, waits) in zip(ex.all(), traces, strict=True)
+    }
+
+
+def _save_trace(
+    run_dir: Path, spans: dict, origin: float, window: tuple[float, float], steps: int
+) -> tuple[Path, Path]:
+    """trace.json (all spans, RL window and busy fractions in ``otherData``) and timeline.png."""
+    start, end = window
+    trace = chrome_trace(spans, origin)
+    trace["otherData"] = {
+        "rl_window_us": [(start - origin) * 1e6, (end - origin) * 1e6],
+        "busy": {
+            n: busy_seconds(b, start, end) / max(end - start, 1e-9) for n, (b, _) in spans.items()
+        },
+    }
+    step = (end - start) / max(steps, 1)
+    middle = (start + end) / 2
+    shown = (max(start, middle - 4 * step), min(end, middle + 4 * step))
+    return (
+        write_trace(run_dir / "trace.json", trace),
+        plot_timeline(spans, run_dir / "timeline.png", shown, trace["otherData"]["busy"]),
+    )
 
 
 def _phase_times(tally: RunTally) -> dict[str, list[float]]:

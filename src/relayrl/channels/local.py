@@ -8,7 +8,10 @@ while the channel is full, which is the back-pressure that stops a fast producer
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Generic, TypeVar
+
+from relayrl.observability.tracing import Tracer
 
 T = TypeVar("T")
 
@@ -18,34 +21,44 @@ class ChannelClosed(Exception):
 
 
 class Channel(Generic[T]):
-    """Bounded FIFO with back-pressure and close."""
+    """Bounded FIFO with back-pressure and close.
 
-    def __init__(self, capacity: int, name: str = "channel"):
+    A put that waits (channel full) is recorded as a wait of ``producer``; a get that waits
+    (channel empty) as a wait of ``consumer``: the trace then shows why an executor sat idle.
+    """
+
+    def __init__(
+        self,
+        capacity: int,
+        name: str = "channel",
+        producer: Tracer | None = None,
+        consumer: Tracer | None = None,
+    ):
         if capacity < 1:
             raise ValueError(f"channel capacity must be >= 1, got {capacity}")
         self.name = name
         self._queue: asyncio.Queue[T] = asyncio.Queue(maxsize=capacity)
         self._closed = False
-        self.put_wait_s = 0.0
-        self.get_wait_s = 0.0
+        self._producer = producer
+        self._consumer = consumer
 
     async def put(self, item: T) -> None:
         """Append ``item``, waiting while the channel is full."""
         if self._closed:
             raise ChannelClosed(self.name)
-        loop = asyncio.get_running_loop()
-        start = loop.time()
+        start = time.time()
         await self._queue.put(item)
-        self.put_wait_s += loop.time() - start
+        if self._producer is not None:
+            self._producer.wait(f"{self.name} full", start, time.time())
 
     async def get(self) -> T:
         """Remove and return the oldest item, waiting while the channel is empty."""
         if self._closed and self._queue.empty():
             raise ChannelClosed(self.name)
-        loop = asyncio.get_running_loop()
-        start = loop.time()
+        start = time.time()
         item = await self._queue.get()
-        self.get_wait_s += loop.time() - start
+        if self._consumer is not None:
+            self._consumer.wait(f"{self.name} empty", start, time.time())
         return item
 
     def close(self) -> list[T]:

@@ -21,6 +21,7 @@ from relayrl.config import Config
 from relayrl.engines.native import sample_chunk
 from relayrl.envs.arithmetic import AdditionTask, Problem
 from relayrl.models.lm import build_policy, encode_prompt, load_tokenizer
+from relayrl.observability.tracing import Span, Tracer
 from relayrl.types import RolloutBatch, RolloutMeta, Weights
 from relayrl.weight_sync import object_store
 
@@ -59,13 +60,17 @@ class Generator:
         self.pending: list[_Sample] = []
         self.groups: dict[int, _Group] = {}
         self.next_group = 0
-        self.busy_s = 0.0
+        self.tracer = Tracer(self.name)
         self.tokens_generated = 0
         if weights is not None:
             self.update_weights(weights)
 
     def generate(self) -> tuple[RolloutMeta, RolloutBatch]:
         """One chunk of generation; returns the groups that finished during it."""
+        with self.tracer.span("generate", self.version):
+            return self._generate()
+
+    def _generate(self) -> tuple[RolloutMeta, RolloutBatch]:
         start = time.perf_counter()
         resumed = len(self.pending)
         active = self.pending + self._start_groups(
@@ -95,7 +100,6 @@ class Generator:
                 self.pending.append(sample)
         batch = self._collect_finished_groups()
         elapsed = time.perf_counter() - start
-        self.busy_s += elapsed
         meta = RolloutMeta(
             samples=len(batch),
             tokens=int(batch.completion_len.sum()),
@@ -108,7 +112,10 @@ class Generator:
 
     def evaluate(self, split: str = "heldout", batch_size: int = 500) -> RolloutBatch:
         """Greedy completions of the held-out split, or of the probe of training problems."""
-        start = time.perf_counter()
+        with self.tracer.span(f"evaluate:{split}", self.version):
+            return self._evaluate(split, batch_size)
+
+    def _evaluate(self, split: str, batch_size: int) -> RolloutBatch:
         problems = {"heldout": self.task.heldout, "probe": lambda: self.probe}[split]()
         samples: list[_Sample] = []
         for offset in range(0, len(problems), batch_size):
@@ -131,25 +138,27 @@ class Generator:
                 sample.tokens, sample.logprobs, sample.finished = tokens, logprobs, finished
                 sample.versions = [self.version] * len(tokens)
             samples += part
-        self.busy_s += time.perf_counter() - start
         return _to_batch(samples, [p.answer for p in problems], group_size=1)
 
     def update_weights(self, weights: Weights) -> int:
         """Swap in a newer policy; called between generate calls, which is the safe point."""
-        start = time.perf_counter()
-        object_store.apply(self.model, weights)
-        self.version = weights.version
-        self.busy_s += time.perf_counter() - start
+        with self.tracer.span("update_weights", weights.version):
+            object_store.apply(self.model, weights)
+            self.version = weights.version
         return self.version
 
     def stats(self) -> dict[str, float]:
         """Counters for the run summary."""
         return {
-            "busy_s": self.busy_s,
+            "busy_s": self.tracer.busy_s(),
             "version": self.version,
             "tokens_generated": self.tokens_generated,
             "pending": len(self.pending),
         }
+
+    def trace(self) -> tuple[list[Span], list[Span]]:
+        """Busy spans and waits recorded so far."""
+        return self.tracer.spans, self.tracer.waits
 
     def state_dict(self) -> dict:
         """Everything needed to resume generation exactly (weights come from the trainer)."""

@@ -14,6 +14,7 @@ import numpy as np
 
 from relayrl.config import Config
 from relayrl.models.lm import load_tokenizer
+from relayrl.observability.tracing import Span, Tracer
 from relayrl.rewards.exact import exact_answer
 from relayrl.types import RolloutBatch
 
@@ -28,12 +29,16 @@ class Rewarder:
     def __init__(self, cfg: Config):
         self.tokenizer = load_tokenizer(cfg.model.tokenizer)
         self.scorer = SCORERS[cfg.rewarder.scorer]
-        self.busy_s = 0.0
+        self.tracer = Tracer(self.name)
         self.scored = 0
         self.errors = 0
 
     def score(self, batch: RolloutBatch) -> tuple[dict[str, float], RolloutBatch]:
         """A small summary, and the batch with ``completions``, ``rewards``, ``score_errors``."""
+        with self.tracer.span("score"):
+            return self._score(batch)
+
+    def _score(self, batch: RolloutBatch) -> tuple[dict[str, float], RolloutBatch]:
         start = time.perf_counter()
         texts = [
             self.tokenizer.decode(row[p : p + c], skip_special_tokens=True)
@@ -53,7 +58,6 @@ class Rewarder:
         self.scored += len(batch)
         self.errors += errors
         elapsed = time.perf_counter() - start
-        self.busy_s += elapsed
         summary = {
             "samples": len(batch),
             "errors": errors,
@@ -64,7 +68,11 @@ class Rewarder:
 
     def stats(self) -> dict[str, float]:
         """Counters for the run summary."""
-        return {"busy_s": self.busy_s, "scored": self.scored, "errors": self.errors}
+        return {"busy_s": self.tracer.busy_s(), "scored": self.scored, "errors": self.errors}
+
+    def trace(self) -> tuple[list[Span], list[Span]]:
+        """Busy spans and waits recorded so far."""
+        return self.tracer.spans, self.tracer.waits
 
     def state_dict(self) -> dict:
         """Counters to restore on resume."""

@@ -22,6 +22,7 @@ from relayrl.algorithms.losses import LOSSES
 from relayrl.config import Config
 from relayrl.envs.arithmetic import AdditionTask
 from relayrl.models.lm import build_policy, encode_prompt, load_tokenizer
+from relayrl.observability.tracing import Span, Tracer
 from relayrl.types import RolloutBatch, Weights
 from relayrl.weight_sync import object_store
 
@@ -47,7 +48,7 @@ class Trainer:
         self.advantage_fn = ADVANTAGES[cfg.trainer.advantage]
         self.version = 0
         self._warm: tuple | None = None
-        self.busy_s = 0.0
+        self.tracer = Tracer(self.name)
         self.trained = 0
         self.dropped_stale = 0
 
@@ -57,6 +58,10 @@ class Trainer:
         The example set, its sampler and the optimizer persist across calls, so the controller
         can run the warm start in slices and check progress in between.
         """
+        with self.tracer.span("warm_start", self.version):
+            return self._warm_start(steps)
+
+    def _warm_start(self, steps: int) -> dict[str, float]:
         start = time.perf_counter()
         if self._warm is None:
             self._warm = self._warm_state()
@@ -75,7 +80,6 @@ class Trainer:
             loss.backward()
             optimizer.step()
         elapsed = time.perf_counter() - start
-        self.busy_s += elapsed
         return {"warm_start/loss": float(loss.detach()), "warm_start/time_s": elapsed}
 
     def _warm_state(self) -> tuple[list, random.Random, torch.optim.Optimizer]:
@@ -93,6 +97,10 @@ class Trainer:
 
     def train_step(self, batch: RolloutBatch) -> dict[str, float]:
         """Drop stale groups, take one optimizer step on the rest, bump the version."""
+        with self.tracer.span("train_step", self.version):
+            return self._train_step(batch)
+
+    def _train_step(self, batch: RolloutBatch) -> dict[str, float]:
         start = time.perf_counter()
         lag = self.version - batch.min_version  # [B], oldest token of each completion
         group_lag = lag.reshape(-1, batch.group_size).max(axis=1)
@@ -107,7 +115,6 @@ class Trainer:
             "samples/trained": float(len(batch)),
         }
         if len(batch) == 0:
-            self.busy_s += time.perf_counter() - start
             return metrics | {"perf/train_s": time.perf_counter() - start, "stepped": 0.0}
         rewards = torch.from_numpy(batch.rewards)
         zero_signal = zero_signal_samples(rewards, batch.group_size)
@@ -128,7 +135,6 @@ class Trainer:
             batch = batch.select(~zero_signal.numpy())
             rewards = torch.from_numpy(batch.rewards)
         if len(batch) == 0:
-            self.busy_s += time.perf_counter() - start
             return metrics | {"perf/train_s": time.perf_counter() - start, "stepped": 0.0}
         advantages = self.advantage_fn(rewards, batch.group_size)
         tokens = torch.from_numpy(batch.tokens)
@@ -154,7 +160,6 @@ class Trainer:
         self.version += 1
 
         elapsed = time.perf_counter() - start
-        self.busy_s += elapsed
         return metrics | {
             "stepped": 1.0,
             "loss/value": float(loss.detach()),
@@ -167,10 +172,8 @@ class Trainer:
 
     def publish(self) -> Weights:
         """The current weights, tagged with the current version."""
-        start = time.perf_counter()
-        weights = object_store.snapshot(self.model, self.version)
-        self.busy_s += time.perf_counter() - start
-        return weights
+        with self.tracer.span("publish", self.version):
+            return object_store.snapshot(self.model, self.version)
 
     def save_pretrained(self, path: str) -> str:
         """Save a Hugging Face checkpoint (safetensors) with its tokenizer."""
@@ -181,11 +184,15 @@ class Trainer:
     def stats(self) -> dict[str, float]:
         """Counters for the run summary."""
         return {
-            "busy_s": self.busy_s,
+            "busy_s": self.tracer.busy_s(),
             "version": self.version,
             "trained": self.trained,
             "dropped_stale": self.dropped_stale,
         }
+
+    def trace(self) -> tuple[list[Span], list[Span]]:
+        """Busy spans and waits recorded so far."""
+        return self.tracer.spans, self.tracer.waits
 
     def state_dict(self) -> dict:
         """A snapshot (not a view) of model, optimizer, version and counters."""

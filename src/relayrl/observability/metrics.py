@@ -13,6 +13,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from relayrl.observability.tracing import Tracer
+
 
 class MetricsLog:
     """Appends one JSON line per logged step to ``metrics.jsonl``; mirrors it to TensorBoard."""
@@ -56,10 +58,22 @@ class RunTally:
         self.gen_s: list[float] = []
         self.score_s: list[float] = []
         self.train_s: list[float] = []
+        self.idle = {name: Tracer(name) for name in ("generator", "rewarder", "trainer")}
         self._recent: dict[str, float] = {}
+        self._total = steps
+        self._progress = progress
+        self._start = time.perf_counter()
+        self._bar: tqdm | None = None
+
+    def start(self) -> None:
+        """The RL phase begins: start the clock and the progress bar."""
         self._start = time.perf_counter()
         self._bar = tqdm(
-            total=steps, desc="rl", unit="step", disable=not progress, dynamic_ncols=True
+            total=self._total,
+            desc="rl",
+            unit="step",
+            disable=not self._progress,
+            dynamic_ncols=True,
         )
 
     def on_generated(self, samples: int, busy_s: float) -> None:
@@ -113,4 +127,5 @@ class RunTally:
 
     def close(self) -> None:
         """Close the progress bar."""
-        self._bar.close()
+        if self._bar is not None:
+            self._bar.close()

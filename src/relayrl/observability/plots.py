@@ -40,3 +40,56 @@ def plot_learning_curve(metrics_path: Path, out_png: Path, evals: dict[int, floa
     fig.savefig(out_png, dpi=110)
     plt.close(fig)
     return out_png
+
+
+PHASE_COLORS = {
+    "generate": "tab:blue",
+    "score": "tab:green",
+    "train_step": "tab:red",
+    "publish": "tab:purple",
+    "update_weights": "tab:purple",
+}
+
+
+def plot_timeline(
+    spans: dict[str, tuple[list, list]],
+    out_png: Path,
+    window: tuple[float, float],
+    busy: dict[str, float],
+) -> Path:
+    """Each executor's busy spans (coloured by phase) and waits (grey) inside ``window``."""
+    start, end = window
+    names = sorted(spans)
+    fig, ax = plt.subplots(figsize=(10, 1.0 + 0.8 * len(names)))
+    for row, name in enumerate(names):
+        busy_spans, waits = spans[name]
+        for kind, items, height in (("wait", waits, 0.3), ("busy", busy_spans, 0.6)):
+            for s in items:
+                if s.end < start or s.start > end:
+                    continue
+                color = "0.8" if kind == "wait" else PHASE_COLORS.get(s.name, "tab:gray")
+                left = max(s.start, start) - start
+                ax.broken_barh(
+                    [(left, min(s.end, end) - max(s.start, start))],
+                    (row - height / 2, height),
+                    color=color,
+                )
+    ax.set_yticks(range(len(names)))
+    ax.set_yticklabels([f"{n}\nbusy {busy.get(n, 0.0):.0%}" for n in names])
+    ax.set_xlim(0, end - start)
+    ax.set_xlabel("seconds (a window in the middle of RL; busy % over the whole RL phase)")
+    handles = [
+        plt.Rectangle((0, 0), 1, 1, color=c) for c in ("tab:blue", "tab:green", "tab:red", "0.8")
+    ]
+    ax.legend(
+        handles,
+        ["generate", "score", "train step", "wait / idle"],
+        loc="upper right",
+        ncol=4,
+        fontsize=8,
+    )
+    ax.set_ylim(-0.6, len(names) - 0.4 + 0.5)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=110)
+    plt.close(fig)
+    return out_png

@@ -15,6 +15,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+MIN_WAIT_S = 1e-4
+
 
 @dataclass(frozen=True)
 class Span:
@@ -46,20 +48,26 @@ class Tracer:
             self._add(self.spans, Span(name, start, time.time(), version))
 
     def wait(self, name: str, start: float, end: float, version: int = -1) -> None:
-        """Record an idle wait (e.g. on a channel) that already happened."""
-        self._add(self.waits, Span(name, start, end, version))
+        """Record an idle wait (e.g. on a channel) that already happened; waits under
+        ``MIN_WAIT_S`` are not worth a trace event."""
+        if end - start >= MIN_WAIT_S:
+            self._add(self.waits, Span(name, start, end, version))
 
     def busy_s(self, since: float = 0.0, until: float = float("inf")) -> float:
         """Seconds of busy spans inside the window [since, until]."""
-        return sum(
-            max(0.0, min(s.end, until) - max(s.start, since)) for s in self.spans if s.end > since
-        )
+        return busy_seconds(self.spans, since, until)
 
     def _add(self, spans: list[Span], span: Span) -> None:
         if len(spans) >= self.max_spans:
             self.dropped += 1
             return
         spans.append(span)
+
+
+def busy_seconds(spans: list[Span], since: float, until: float) -> float:
+    """Seconds the spans cover inside the window [since, until] (an executor's spans never overlap:
+    Ray runs one call of an actor at a time)."""
+    return sum(max(0.0, min(s.end, until) - max(s.start, since)) for s in spans)
 
 
 def chrome_trace(tracers: dict[str, tuple[list[Span], list[Span]]], origin: float) -> dict:
