@@ -33,7 +33,7 @@ def _run(tmp_path, *overrides):
 
 
 def test_async_run_changes_parameters_and_records_bounded_lags(ray_session, tmp_path):
-    cfg, summary = _run(tmp_path, "mode=async", "max_staleness=1")
+    cfg, summary = _run(tmp_path, "mode=async", "max_staleness=1", "log.eval_every=3")
     assert summary["steps"] == 6
     assert summary["eval"]["end"]["version"] == summary["updates"] >= 1
     assert summary["eval"]["end"]["n"] == 20
@@ -57,7 +57,9 @@ def test_async_run_changes_parameters_and_records_bounded_lags(ray_session, tmp_
     on_disk = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert on_disk["samples"] == samples
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-    grad_norms = [json.loads(line).get("loss/grad_norm", 0.0) for line in lines]
+    records = [json.loads(line) for line in lines]
+    assert [r["step"] for r in records if "eval/accuracy" in r] == [0, 3, 6]
+    grad_norms = [r.get("loss/grad_norm", 0.0) for r in records]
     assert max(grad_norms) > 0
     assert (tmp_path / "run" / "learning_curve.png").stat().st_size > 0
     _check_trace_agrees_with_summary(tmp_path / "run", summary)

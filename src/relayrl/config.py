@@ -177,6 +177,9 @@ class LogConfig(_Section):
     tensorboard: bool = Field(True, description="Write TensorBoard event files.")
     progress: bool = Field(True, description="Show a progress bar.")
     every: int = Field(10, ge=1, description="Log metrics every N RL steps.")
+    eval_every: int = Field(
+        0, ge=0, description="Evaluate held-out every N RL steps (0: only at the start and end)."
+    )
 
 
 class Config(_Section):

@@ -39,7 +39,7 @@ async def run_sync(cfg: Config, ex: Executors, tally: RunTally, log: MetricsLog)
         metrics = await ex.trainer.train_step.remote(scored_ref)
         if metrics["stepped"]:
             await ex.generator.update_weights.remote(ex.trainer.publish.remote())
-        _log_step(cfg, tally, log, metrics)
+        await _log_step(cfg, ex, tally, log, metrics)
     return 0
 
 
@@ -95,7 +95,7 @@ async def run_async(cfg: Config, ex: Executors, tally: RunTally, log: MetricsLog
             metrics = await ex.trainer.train_step.remote(scored_ref)
             if metrics["stepped"]:
                 ex.generator.update_weights.remote(ex.trainer.publish.remote())
-            _log_step(cfg, tally, log, metrics)
+            await _log_step(cfg, ex, tally, log, metrics)
             async with published:
                 published.notify_all()
     finally:
@@ -123,16 +123,16 @@ def train(cfg: Config, run_dir: Path) -> dict:
     rl_start = rl_end = time.time()
     try:
         warm = _warm_start(cfg, ex)
-        eval_start = _evaluate(ex)
-        log.log(0, {"eval/accuracy": eval_start["accuracy"], **warm})
+        eval_start = asyncio.run(_evaluate(ex))
+        log.log(0, {**{f"eval/{k}": v for k, v in eval_start.items()}, **warm})
         tally.start()
         rl_start = time.time()
         in_flight = asyncio.run(LOOPS[cfg.mode](cfg, ex, tally, log))
         rl_end = time.time()
         tally.close()
         spans = _collect_spans(ex, tally)
-        eval_end = _evaluate(ex)
-        log.log(tally.steps, {"eval/accuracy": eval_end["accuracy"]})
+        eval_end = asyncio.run(_evaluate(ex))
+        log.log(tally.steps, {f"eval/{k}": v for k, v in eval_end.items()})
         checkpoint = ray.get(ex.trainer.save_pretrained.remote(str(run_dir / "checkpoint")))
         pending = ray.get(ex.generator.stats.remote())["pending"]
     except BaseException as err:
@@ -150,11 +150,7 @@ def train(cfg: Config, run_dir: Path) -> dict:
     rl_wall = rl_end - rl_start
     busy = {name: busy_seconds(b, rl_start, rl_end) / rl_wall for name, (b, _) in spans.items()}
     trace, timeline = _save_trace(run_dir, spans, started, (rl_start, rl_end), tally.steps)
-    plot = plot_learning_curve(
-        log.path,
-        run_dir / "learning_curve.png",
-        {0: eval_start["accuracy"], tally.steps: eval_end["accuracy"]},
-    )
+    plot = plot_learning_curve(log.path, run_dir / "learning_curve.png")
     per_step = {name: sum(times) / tally.steps for name, times in _phase_times(tally).items()}
     summary = {
         "mode": cfg.mode,
@@ -207,17 +203,23 @@ def _warm_start(cfg: Config, ex: Executors) -> dict:
         steps += min(ws.check_every, ws.max_steps - steps)
         if ws.target_accuracy > 0:
             ray.get(ex.generator.update_weights.remote(ex.trainer.publish.remote()))
-            probe = _evaluate(ex, "probe")["accuracy"]
+            probe = asyncio.run(_evaluate(ex, "probe"))["accuracy"]
             if probe >= ws.target_accuracy:
                 break
     ray.get(ex.generator.update_weights.remote(ex.trainer.publish.remote()))
     return metrics | {"warm_start/steps": steps, "warm_start/probe_accuracy": probe}
 
 
-def _log_step(cfg: Config, tally: RunTally, log: MetricsLog, metrics: dict) -> None:
+async def _log_step(
+    cfg: Config, ex: Executors, tally: RunTally, log: MetricsLog, metrics: dict
+) -> None:
+    """Log a finished train step; every ``log.eval_every`` steps also evaluate held-out."""
     out = tally.on_trained(metrics)
     if tally.steps % cfg.log.every == 0 or tally.steps == cfg.steps:
         log.log(tally.steps, out)
+    if cfg.log.eval_every and tally.steps % cfg.log.eval_every == 0 and tally.steps < cfg.steps:
+        result = await _evaluate(ex)
+        log.log(tally.steps, {f"eval/{k}": v for k, v in result.items()})
 
 
 async def _get_or_raise(channel: Channel, workers: list[asyncio.Task]):
@@ -231,11 +233,19 @@ async def _get_or_raise(channel: Channel, workers: list[asyncio.Task]):
     return get.result()
 
 
-def _evaluate(ex: Executors, split: str = "heldout") -> dict:
+async def _evaluate(ex: Executors, split: str = "heldout") -> dict:
+    """Greedy accuracy of the generator's current policy on a split, and what it cost."""
+    start = time.time()
     batch_ref = ex.generator.evaluate.remote(split)
-    score, _ = ray.get(ex.rewarder.score.options(num_returns=2).remote(batch_ref))
-    version = ray.get(ex.generator.stats.remote())["version"]
-    return {"accuracy": score["reward_mean"], "n": score["samples"], "version": version}
+    score_ref, _ = ex.rewarder.score.options(num_returns=2).remote(batch_ref)
+    score = await score_ref
+    version = (await ex.generator.stats.remote())["version"]
+    return {
+        "accuracy": score["reward_mean"],
+        "n": score["samples"],
+        "version": version,
+        "time_s": time.time() - start,
+    }
 
 
 def _collect_spans(ex: Executors, tally: RunTally) -> dict[str, tuple[list[Span], list[Span]]]:

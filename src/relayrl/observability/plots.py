@@ -22,9 +22,11 @@ def read_jsonl(path: Path) -> list[dict]:
     return records
 
 
-def plot_learning_curve(metrics_path: Path, out_png: Path, evals: dict[int, float]) -> Path:
-    """Training accuracy and reward per RL step, with held-out accuracy at the given steps."""
-    records = [r for r in read_jsonl(metrics_path) if "rollout/accuracy" in r]
+def plot_learning_curve(metrics_path: Path, out_png: Path) -> Path:
+    """Sampled rollout accuracy per RL step, and the held-out evaluations logged in between."""
+    rows = read_jsonl(metrics_path)
+    records = [r for r in rows if "rollout/accuracy" in r]
+    evals = {r["step"]: r["eval/accuracy"] for r in rows if "eval/accuracy" in r}
     fig, ax = plt.subplots(figsize=(7, 4))
     if records:
         steps = [r["step"] for r in records]
