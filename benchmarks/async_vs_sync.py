@@ -45,6 +45,7 @@ import json
 import os
 import platform
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -145,6 +146,9 @@ def run_once(args: argparse.Namespace, mode: str, repeat: int, tmp: Path) -> dic
     # train() prints its summary JSON; keep stdout for the Markdown table.
     with contextlib.redirect_stdout(sys.stderr):
         summary = train(cfg, tmp / f"{mode}-{repeat}")
+    if repeat == 0:  # the timeline of each mode's first run, for docs/benchmarks.md
+        args.out.mkdir(parents=True, exist_ok=True)
+        shutil.copy(summary["artifacts"]["timeline"], args.out / f"timeline_{mode}.png")
     perf = summary["perf"]
     config = cfg.model_dump(mode="json", exclude={"mode", "steps"})
     config["run"]["out_dir"] = "(temporary)"

@@ -130,7 +130,9 @@ def train(cfg: Config, run_dir: Path) -> dict:
         in_flight = asyncio.run(LOOPS[cfg.mode](cfg, ex, tally, log))
         rl_end = time.time()
         tally.close()
+        trace_start = time.time()
         spans = _collect_spans(ex, tally)
+        trace_s = time.time() - trace_start
         eval_end = asyncio.run(_evaluate(ex))
         log.log(tally.steps, {f"eval/{k}": v for k, v in eval_end.items()})
         checkpoint = ray.get(ex.trainer.save_pretrained.remote(str(run_dir / "checkpoint")))
@@ -149,7 +151,9 @@ def train(cfg: Config, run_dir: Path) -> dict:
         stop_executors(ex)
     rl_wall = rl_end - rl_start
     busy = {name: busy_seconds(b, rl_start, rl_end) / rl_wall for name, (b, _) in spans.items()}
+    trace_start = time.time()
     trace, timeline = _save_trace(run_dir, spans, started, (rl_start, rl_end), tally.steps)
+    trace_s += time.time() - trace_start
     plot = plot_learning_curve(log.path, run_dir / "learning_curve.png")
     per_step = {name: sum(times) / tally.steps for name, times in _phase_times(tally).items()}
     summary = {
@@ -167,6 +171,7 @@ def train(cfg: Config, run_dir: Path) -> dict:
             "busy": busy,
             "phase_s_per_step": per_step,
             "overlap_bound": sum(per_step.values()) / max(per_step.values()),
+            "trace_write_s": trace_s,
         },
         "staleness": tally.staleness() | {"max_staleness": cfg.max_staleness},
         "samples": {
