@@ -89,3 +89,27 @@ def test_sync_run_is_strictly_on_policy(ray_session, tmp_path):
     assert summary["steps"] == 6
     assert summary["staleness"]["hist"] == {"0": summary["samples"]["trained"]}
     assert summary["samples"]["in_flight"] == 0 and summary["samples"]["accounted"]
+
+
+def test_partial_rollouts_through_ray_keep_the_books_and_the_bound(ray_session, tmp_path):
+    _, summary = _run(
+        tmp_path,
+        "mode=async",
+        "max_staleness=2",
+        "generator.max_new_tokens=4",
+        "generator.max_new_tokens_per_step=2",
+    )
+    samples = summary["samples"]
+    assert summary["steps"] == 6 and samples["accounted"]
+    assert samples["trained"] + samples["dropped_stale"] > 0
+    assert summary["staleness"]["max"] <= 2
+
+
+def test_sync_with_partial_rollouts_counts_only_batches_that_reached_the_trainer(
+    ray_session, tmp_path
+):
+    _, summary = _run(
+        tmp_path, "mode=sync", "generator.max_new_tokens=4", "generator.max_new_tokens_per_step=2"
+    )
+    assert summary["steps"] == 6 and summary["samples"]["accounted"]
+    assert summary["samples"]["trained"] >= 6 * 4  # at least one group of 4 per counted step

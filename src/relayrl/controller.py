@@ -26,20 +26,23 @@ from relayrl.observability.tracing import Span, busy_seconds, chrome_trace, writ
 
 
 async def run_sync(cfg: Config, ex: Executors, tally: RunTally, log: MetricsLog) -> int:
-    """generate -> score -> train -> publish, one after the other; returns samples in flight."""
+    """generate -> score -> train -> publish, one after the other; returns samples in flight.
+
+    A step's five calls are submitted at once as a chain of object references: Ray runs each when
+    its input is ready and passes data executor to executor, so the controller waits once per step
+    rather than once per call. Ray runs an actor's calls in submission order, so the next
+    ``generate`` always comes after this step's ``update_weights``: strictly on-policy.
+    """
     while tally.steps < cfg.steps:
         meta_ref, batch_ref = ex.generator.generate.options(num_returns=2).remote()
-        meta = await meta_ref
-        tally.on_generated(meta.samples, meta.busy_s)
-        if meta.samples == 0:
-            continue
         score_ref, scored_ref = ex.rewarder.score.options(num_returns=2).remote(batch_ref)
-        score = await score_ref
+        metrics_ref = ex.trainer.train_step.remote(scored_ref)
+        ex.generator.update_weights.remote(ex.trainer.publish.remote())
+        meta, score, metrics = await asyncio.gather(meta_ref, score_ref, metrics_ref)
+        tally.on_generated(meta.samples, meta.busy_s)
         tally.on_scored(score["busy_s"], score["errors"])
-        metrics = await ex.trainer.train_step.remote(scored_ref)
-        if metrics["stepped"]:
-            await ex.generator.update_weights.remote(ex.trainer.publish.remote())
-        await _log_step(cfg, ex, tally, log, metrics)
+        if meta.samples:
+            await _log_step(cfg, ex, tally, log, metrics)
     return 0
 
 

@@ -102,6 +102,14 @@ class Trainer:
 
     def _train_step(self, batch: RolloutBatch) -> dict[str, float]:
         start = time.perf_counter()
+        if len(batch) == 0:  # a generate call in which no group finished (partial rollouts)
+            return {
+                "samples/received": 0.0,
+                "samples/dropped_stale": 0.0,
+                "samples/trained": 0.0,
+                "perf/train_s": 0.0,
+                "stepped": 0.0,
+            }
         lag = self.version - batch.min_version  # [B], oldest token of each completion
         group_lag = lag.reshape(-1, batch.group_size).max(axis=1)
         keep = np.repeat(group_lag <= self.cfg.max_staleness, batch.group_size)

@@ -4,6 +4,8 @@ of its calls, so a forward pass never sees a mix of two versions."""
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from relayrl.types import Weights
@@ -19,5 +21,8 @@ def snapshot(model: torch.nn.Module, version: int) -> Weights:
 
 def apply(model: torch.nn.Module, weights: Weights) -> None:
     """Load a snapshot into ``model`` in place; every name must match."""
-    state = {name: torch.from_numpy(array) for name, array in weights.tensors.items()}
+    with warnings.catch_warnings():
+        # Ray hands out read-only views of the object store; load_state_dict only reads them.
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        state = {name: torch.from_numpy(array) for name, array in weights.tensors.items()}
     model.load_state_dict(state, strict=True)
