@@ -197,7 +197,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--eval-every", type=int, default=50, help="held-out evaluation period")
     parser.add_argument("--target", type=float, default=0.6, help="target held-out accuracy")
     parser.add_argument(
-        "--trl-threads", type=int, default=2, help="torch threads of the TRL process (2 cores)"
+        "--trl-threads", type=int, default=1, help="torch threads of the TRL process"
     )
     parser.add_argument(
         "--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS), help="systems to run"

@@ -108,6 +108,7 @@ class RunTally:
         }
         if "rollout/accuracy" in out:
             self._recent = {
+                "reward": out["rollout/reward_mean"],
                 "acc": out["rollout/accuracy"],
                 "lag": out["staleness/mean"],
                 "smp/s": out["perf/samples_per_s"],
