@@ -438,6 +438,7 @@ def run_trl(cfg: Config, args: argparse.Namespace, out: Path) -> dict:
         "torch_threads": threads,
         "trl_logged_step_time_s": _mean(row["step_time"] for row in logs if "step_time" in row),
         "rollout_accuracy_last_log": logs[-1]["reward"] if logs else None,
+        "zero_signal_groups_mean": _mean(row["frac_reward_zero_std"] for row in logs),
     }
 
 
@@ -487,6 +488,9 @@ def run_relayrl(cfg: Config, mode: str, tmp: Path) -> dict:
         for name, by_name in spans.items()
     }
     samples = summary["samples"]["trained"]
+    zero_signal = [
+        row["rollout/zero_signal_groups"] for row in rows if "rollout/zero_signal_groups" in row
+    ]
     return {
         "loss": LOSSES["relayrl"],
         "steps": steps,
@@ -507,6 +511,7 @@ def run_relayrl(cfg: Config, mode: str, tmp: Path) -> dict:
         "staleness": {key: summary["staleness"][key] for key in ("mean", "max", "max_staleness")},
         "samples": summary["samples"],
         "updates": summary["updates"],
+        "zero_signal_groups_mean": _mean(zero_signal),
     }
 
 
@@ -514,7 +519,9 @@ def span_seconds(trace_path: Path) -> dict[str, dict[str, float]]:
     """Seconds of work per executor and span name inside the RL window of a run's trace.json."""
     trace = json.loads(trace_path.read_text())
     start, end = trace["otherData"]["rl_window_us"]
-    names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"}
+    names = {
+        e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"
+    }
     out: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for event in trace["traceEvents"]:
         if event["ph"] != "X" or event["cat"] != "work":

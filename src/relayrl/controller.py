@@ -143,7 +143,18 @@ def train(cfg: Config, run_dir: Path) -> dict:
     except BaseException as err:
         tally.close()
         status = "interrupted" if isinstance(err, KeyboardInterrupt) else "failed"
-        _write_summary(run_dir, summary | {"status": status, "error": repr(err)})
+        partial = {
+            "status": status,
+            "error": repr(err),
+            "steps": tally.steps,
+            "staleness": tally.staleness(),
+            "samples": {
+                "generated": tally.generated,
+                "trained": tally.trained,
+                "dropped_stale": tally.dropped_stale,
+            },
+        }
+        _write_summary(run_dir, summary | partial)
         with contextlib.suppress(Exception):  # best effort: the executors may be gone
             _save_trace(run_dir, _collect_spans(ex, tally), started, (rl_start, time.time()), 0)
         with contextlib.suppress(Exception):

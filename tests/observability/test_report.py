@@ -37,6 +37,7 @@ def test_report_of_a_run_interrupted_during_rl(tmp_path):
 
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "interrupted"
+    assert summary["steps"] >= 2 and summary["samples"]["trained"] > 0
     report = subprocess.run(
         [sys.executable, "-m", "relayrl.cli", "report", str(run_dir)],
         cwd=ROOT,
