@@ -6,6 +6,7 @@ the models below, which are the single source of truth for every knob and its de
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
@@ -175,6 +176,22 @@ class LogConfig(_Section):
     """Metrics, progress and evaluation."""
 
     tensorboard: bool = Field(True, description="Write TensorBoard event files.")
+    wandb_project: str | None = Field(
+        None, description="Weights & Biases project to log to; null disables W&B."
+    )
+    wandb_mode: Literal["offline", "online"] = Field(
+        "offline",
+        description="offline writes the W&B run under the run directory (sync it later with "
+        "`wandb sync`); online needs network access and a login.",
+    )
+
+    @field_validator("wandb_project")
+    @classmethod
+    def _wandb_installed(cls, value: str | None) -> str | None:
+        if value is not None and importlib.util.find_spec("wandb") is None:
+            raise ValueError("W&B logging needs the wandb package: pip install 'relayrl[wandb]'")
+        return value
+
     progress: bool = Field(True, description="Show a progress bar.")
     every: int = Field(10, ge=1, description="Log metrics every N RL steps.")
     eval_every: int = Field(

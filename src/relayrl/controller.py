@@ -121,7 +121,13 @@ def train(cfg: Config, run_dir: Path) -> dict:
     _write_summary(run_dir, summary)
     start_ray(cfg)
     ex = place_executors(cfg)
-    log = MetricsLog(run_dir, cfg.log.tensorboard)
+    log = MetricsLog(
+        run_dir,
+        cfg.log.tensorboard,
+        cfg.log.wandb_project,
+        cfg.log.wandb_mode,
+        cfg.model_dump(mode="json"),
+    )
     tally = RunTally(cfg.steps, cfg.log.progress)
     rl_start = rl_end = time.time()
     try:

@@ -17,16 +17,36 @@ from relayrl.observability.tracing import Tracer
 
 
 class MetricsLog:
-    """Appends one JSON line per logged step to ``metrics.jsonl``; mirrors it to TensorBoard."""
+    """Appends one JSON line per logged step to ``metrics.jsonl``; mirrors it to TensorBoard and,
+    when a project is given, to Weights & Biases."""
 
-    def __init__(self, run_dir: Path, tensorboard: bool):
+    def __init__(
+        self,
+        run_dir: Path,
+        tensorboard: bool,
+        wandb_project: str | None = None,
+        wandb_mode: str = "offline",
+        config: dict | None = None,
+    ):
         self.path = run_dir / "metrics.jsonl"
         self._file = self.path.open("a")
         self._writer = None
+        self._wandb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             self._writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        if wandb_project is not None:
+            import wandb
+
+            self._wandb = wandb.init(
+                project=wandb_project,
+                name=run_dir.name,
+                dir=str(run_dir),
+                mode=wandb_mode,
+                config=config,
+                settings=wandb.Settings(console="off", silent=True),
+            )
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """Write the scalar metrics of ``step``."""
@@ -36,12 +56,16 @@ class MetricsLog:
         if self._writer is not None:
             for key, value in scalars.items():
                 self._writer.add_scalar(key, value, step)
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=step)
 
     def close(self) -> None:
         """Flush and close the files."""
         self._file.close()
         if self._writer is not None:
             self._writer.close()
+        if self._wandb is not None:
+            self._wandb.finish()
 
 
 class RunTally:

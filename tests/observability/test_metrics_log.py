@@ -1,0 +1,46 @@
+"""MetricsLog: JSONL always, TensorBoard and Weights & Biases (offline) when asked."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from relayrl.config import ConfigError, load_config
+from relayrl.observability.metrics import MetricsLog
+
+
+def test_jsonl_holds_every_logged_step(tmp_path):
+    log = MetricsLog(tmp_path, tensorboard=False)
+    log.log(1, {"loss/value": 0.5, "note": "not a scalar"})
+    log.log(2, {"loss/value": 0.25})
+    log.close()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["loss/value"]) for r in rows] == [(1, 0.5), (2, 0.25)]
+    assert "note" not in rows[0]
+
+
+def test_wandb_offline_run_is_written_under_the_run_directory(tmp_path, monkeypatch):
+    pytest.importorskip("wandb", reason="W&B is an optional extra: pip install 'relayrl[wandb]'")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    log = MetricsLog(tmp_path, False, wandb_project="relayrl-test", config={"mode": "async"})
+    log.log(1, {"rollout/accuracy": 0.25})
+    log.log(2, {"rollout/accuracy": 0.75})
+    log.close()
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1
+    (events,) = runs[0].glob("*.wandb")  # the record log that `wandb sync` uploads
+    records = events.read_bytes()  # history rows are protobuf records with JSON-encoded values
+    assert b"rollout/accuracy" in records and b"0.75" in records
+
+
+def test_tensorboard_events_are_written(tmp_path):
+    log = MetricsLog(tmp_path, tensorboard=True)
+    log.log(1, {"loss/value": 0.5})
+    log.close()
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_wandb_project_validates_mode():
+    with pytest.raises(ConfigError, match="log.wandb_mode"):
+        load_config(None, ["log.wandb_project=x", "log.wandb_mode=cloud"])
