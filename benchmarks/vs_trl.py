@@ -44,8 +44,9 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import accelerate
 import datasets
@@ -56,7 +57,7 @@ import torch
 import transformers
 import trl
 from async_vs_sync import _relative, git_state, machine
-from transformers import TrainerCallback
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from trl import GRPOConfig, GRPOTrainer
 
 from relayrl.config import Config, load_config
@@ -197,7 +198,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--eval-every", type=int, default=50, help="held-out evaluation period")
     parser.add_argument("--target", type=float, default=0.6, help="target held-out accuracy")
     parser.add_argument(
-        "--trl-threads", type=int, default=1, help="torch threads of the TRL process"
+        "--trl-threads",
+        type=int,
+        default=1,
+        help="torch threads of the TRL process (on 2 cores, 2 threads made TRL ~7x slower)",
     )
     parser.add_argument(
         "--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS), help="systems to run"
@@ -252,30 +256,32 @@ def accuracy(generator: Generator, rewarder: Rewarder, split: str) -> float:
 class TimedGRPOTrainer(GRPOTrainer):
     """GRPOTrainer that adds up the seconds spent in its phases (``phase_s``)."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args: Any, **kwargs: Any):
         self.phase_s: dict[str, float] = defaultdict(float)
         super().__init__(*args, **kwargs)
 
-    def _timed(self, name: str, method: Callable, *args, **kwargs):
+    def _timed(self, name: str, method: Callable, *args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()
         try:
             return method(*args, **kwargs)
         finally:
             self.phase_s[name] += time.perf_counter() - start
 
-    def _generate_single_turn(self, *args, **kwargs):
+    def _generate_single_turn(self, *args: Any, **kwargs: Any) -> Any:
         return self._timed("generate", super()._generate_single_turn, *args, **kwargs)
 
-    def _calculate_rewards(self, *args, **kwargs):
+    def _calculate_rewards(self, *args: Any, **kwargs: Any) -> Any:
         return self._timed("reward", super()._calculate_rewards, *args, **kwargs)
 
-    def _generate_and_score_completions(self, *args, **kwargs):
+    def _generate_and_score_completions(self, *args: Any, **kwargs: Any) -> Any:
         return self._timed("rollout", super()._generate_and_score_completions, *args, **kwargs)
 
-    def compute_loss(self, *args, **kwargs):
+    def compute_loss(self, *args: Any, **kwargs: Any) -> Any:
+        """GRPOTrainer.compute_loss (the policy forward pass and the loss), timed."""
         return self._timed("loss forward", super().compute_loss, *args, **kwargs)
 
-    def training_step(self, *args, **kwargs):
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """GRPOTrainer.training_step (rollout, forward, backward), timed."""
         return self._timed("training_step", super().training_step, *args, **kwargs)
 
 
@@ -301,21 +307,39 @@ class HeldoutClock(TrainerCallback):
         )
         self.eval_s += spent
 
-    def on_train_begin(self, args, state, control, model=None, **kwargs):
+    def on_train_begin(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        model: torch.nn.Module | None = None,
+        **kwargs: Any,
+    ) -> None:
         """Evaluate the starting point, then start the clock."""
         self._point(0, 0.0, model)
         self.eval_s = 0.0
         self.begin = time.perf_counter()
 
-    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+    def on_pre_optimizer_step(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         """Mark the start of the optimizer step."""
         self._optimizer_start = time.perf_counter()
 
-    def on_optimizer_step(self, args, state, control, **kwargs):
+    def on_optimizer_step(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         """Add up optimizer-step time."""
         self.optimizer_s += time.perf_counter() - self._optimizer_start
 
-    def on_step_end(self, args, state, control, model=None, **kwargs):
+    def on_step_end(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        model: torch.nn.Module | None = None,
+        **kwargs: Any,
+    ) -> None:
         """Evaluate every ``every`` steps and after the last one."""
         if state.global_step % self.every == 0 or state.global_step == state.max_steps:
             self.train_s = time.perf_counter() - self.begin - self.eval_s
@@ -390,7 +414,9 @@ def run_trl(cfg: Config, args: argparse.Namespace, out: Path) -> dict:
     scorer = SCORERS[cfg.rewarder.scorer]
     eos = tokenizer.eos_token_id
 
-    def exact_answer_reward(completions, completion_ids, answer, **_) -> list[float]:
+    def exact_answer_reward(
+        completions: list[str], completion_ids: list[list[int]], answer: list[str], **_: Any
+    ) -> list[float]:
         return [
             scorer(text, ref) if eos in ids else 0.0
             for text, ids, ref in zip(completions, completion_ids, answer, strict=True)
@@ -623,15 +649,22 @@ def markdown_table(result: dict) -> str:
         f"{settings['completions_per_step']} completions; held-out greedy accuracy on 1,000 "
         f"problems every {settings['eval_every']} steps, evaluation time excluded; time to target "
         "is read at the first evaluation that reaches it.",
-        f"TRL: one process, {settings['trl_threads']} torch threads; relayrl: three Ray actors, "
-        f"{settings['relayrl_threads_per_executor']} thread each.",
+        f"TRL: one process, torch threads: {settings['trl_threads']}; relayrl: three Ray actors, "
+        f"torch threads: {settings['relayrl_threads_per_executor']} each.",
+        "Groups with all-equal rewards (no signal): "
+        + ", ".join(
+            f"{name} {100 * run['zero_signal_groups_mean']:.0f}%"
+            for name, run in result["systems"].items()
+            if run.get("zero_signal_groups_mean") is not None
+        )
+        + " of groups on average; relayrl leaves them out of forward/backward, TRL does not.",
         f"Command: `{result['command']}`; {m['platform']}, {m['cpu_count']} CPUs, trl {m['trl']}, "
         f"transformers {m['transformers']}, torch {m['torch']}, ray {m['ray']}.",
     ]
     return "\n".join(lines)
 
 
-def _mean(values) -> float | None:
+def _mean(values: Iterable[float]) -> float | None:
     values = list(values)
     return sum(values) / len(values) if values else None
 
