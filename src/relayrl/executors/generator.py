@@ -47,7 +47,7 @@ class Generator:
 
     name = "generator"
 
-    def __init__(self, cfg: Config, weights: Weights | None = None):
+    def __init__(self, cfg: Config):
         torch.set_num_threads(cfg.ray.threads_per_executor)
         self.cfg = cfg.generator
         self.tokenizer = load_tokenizer(cfg.model.tokenizer)
@@ -62,8 +62,6 @@ class Generator:
         self.next_group = 0
         self.tracer = Tracer(self.name)
         self.tokens_generated = 0
-        if weights is not None:
-            self.update_weights(weights)
 
     def generate(self) -> tuple[RolloutMeta, RolloutBatch]:
         """One chunk of generation; returns the groups that finished during it."""
