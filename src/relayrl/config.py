@@ -45,7 +45,8 @@ class ModelConfig(_Section):
     )
     tokenizer: str = Field(
         "builtin:char",
-        description="Tokenizer directory, or builtin:char (the character tokenizer shipped).",
+        description="Tokenizer directory, or a tokenizer shipped with relayrl: builtin:char "
+        "(digits and arithmetic signs) or builtin:byte (any UTF-8 text, one token per byte).",
     )
     hidden_size: int = Field(128, ge=8, description="Width of the fresh Llama.")
     num_layers: int = Field(3, ge=1, description="Decoder layers of the fresh Llama.")
@@ -64,9 +65,9 @@ class ModelConfig(_Section):
     @classmethod
     def _tokenizer_exists(cls, value: str) -> str:
         if not value.startswith("builtin:") and not Path(value).is_dir():
-            raise ValueError("directory does not exist (or use builtin:char)")
-        if value.startswith("builtin:") and value != "builtin:char":
-            raise ValueError("unknown builtin tokenizer; allowed: builtin:char")
+            raise ValueError("directory does not exist (or use builtin:char, builtin:byte)")
+        if value.startswith("builtin:") and value not in ("builtin:char", "builtin:byte"):
+            raise ValueError("unknown builtin tokenizer; allowed: builtin:char, builtin:byte")
         return value
 
 
@@ -118,7 +119,14 @@ class GeneratorConfig(_Section):
 class RewarderConfig(_Section):
     """Rule-based scoring of completions."""
 
-    scorer: Literal["exact_answer"] = Field("exact_answer", description="Scorer name.")
+    scorer: Literal["exact_answer", "math"] = Field(
+        "exact_answer",
+        description="exact_answer: the stripped completion equals the reference; math: answer "
+        "extraction and equivalence (relayrl.rewards.math) in a sandboxed process pool.",
+    )
+    workers: int = Field(2, ge=1, description="math: scoring worker processes.")
+    timeout_s: float = Field(5.0, gt=0, description="math: per-item wall-clock limit; scores 0.")
+    memory_mb: int = Field(1024, ge=64, description="math: address-space limit of each worker.")
 
 
 class TrainerConfig(_Section):

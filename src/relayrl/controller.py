@@ -40,7 +40,7 @@ async def run_sync(cfg: Config, ex: Executors, tally: RunTally, log: MetricsLog)
         ex.generator.update_weights.remote(ex.trainer.publish.remote())
         meta, score, metrics = await asyncio.gather(meta_ref, score_ref, metrics_ref)
         tally.on_generated(meta.samples, meta.busy_s)
-        tally.on_scored(score["busy_s"], score["errors"])
+        tally.on_scored(score["busy_s"], score["errors"], score["timeouts"])
         if meta.samples:
             await _log_step(cfg, ex, tally, log, metrics)
     return 0
@@ -87,7 +87,7 @@ async def run_async(cfg: Config, ex: Executors, tally: RunTally, log: MetricsLog
             scoring["samples"] = samples
             score_ref, scored_ref = ex.rewarder.score.options(num_returns=2).remote(batch_ref)
             score = await score_ref
-            tally.on_scored(score["busy_s"], score["errors"])
+            tally.on_scored(score["busy_s"], score["errors"], score["timeouts"])
             await scored.put((samples, scored_ref))
             scoring["samples"] = 0
 
@@ -202,6 +202,7 @@ def train(cfg: Config, run_dir: Path) -> dict:
             "accounted": tally.generated == tally.trained + tally.dropped_stale + in_flight,
             "unfinished_partials": pending,
             "score_errors": tally.score_errors,
+            "score_timeouts": tally.score_timeouts,
         },
         "artifacts": {
             "checkpoint": checkpoint,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -59,6 +60,11 @@ def place_executors(cfg: Config) -> Executors:
 
 
 def stop_executors(executors: Executors) -> None:
-    """Kill the actors of a run (the Ray instance stays up for the next run)."""
+    """Kill the actors of a run (the Ray instance stays up for the next run).
+
+    The rewarder is asked first to stop its scoring processes, which a kill would orphan.
+    """
+    with contextlib.suppress(Exception):  # it may already be dead; the kill below still runs
+        ray.get(executors.rewarder.close.remote(), timeout=30)
     for handle in executors.all().values():
         ray.kill(handle)

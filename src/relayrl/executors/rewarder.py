@@ -1,7 +1,9 @@
 """Rewarder executor: decodes completions and scores them with a rule-based scorer.
 
 A completion that did not end with EOS scores 0 (it was cut at the length limit). A scorer that
-raises scores 0 for that sample and is counted in ``score_errors``; the run goes on.
+raises scores 0 for that sample and is counted in ``score_errors``; the run goes on. The ``math``
+scorer runs in a ``ScoringPool`` (worker processes with a time and a memory limit), where an item
+that times out scores 0 and is counted in ``timeouts``.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from relayrl.config import Config
 from relayrl.models.lm import load_tokenizer
 from relayrl.observability.tracing import Span, Tracer
 from relayrl.rewards.exact import exact_answer
+from relayrl.rewards.sandbox import ScoringPool
 from relayrl.types import RolloutBatch
 
 SCORERS: dict[str, Callable[[str, str], float]] = {"exact_answer": exact_answer}
@@ -28,10 +31,17 @@ class Rewarder:
 
     def __init__(self, cfg: Config):
         self.tokenizer = load_tokenizer(cfg.model.tokenizer)
-        self.scorer = SCORERS[cfg.rewarder.scorer]
+        rc = cfg.rewarder
+        # Scorers that parse model output (math) run in a sandboxed pool; exact matching is safe
+        # and cheap enough to run here.
+        self.pool = (
+            ScoringPool(rc.workers, rc.timeout_s, rc.memory_mb) if rc.scorer == "math" else None
+        )
+        self.scorer = SCORERS.get(rc.scorer)
         self.tracer = Tracer(self.name)
         self.scored = 0
         self.errors = 0
+        self.timeouts = 0
 
     def score(self, batch: RolloutBatch) -> tuple[dict[str, float], RolloutBatch]:
         """A small summary, and the batch with ``completions``, ``rewards``, ``score_errors``."""
@@ -45,30 +55,57 @@ class Rewarder:
             for row, p, c in zip(batch.tokens, batch.prompt_len, batch.completion_len, strict=True)
         ]
         rewards = np.zeros(len(batch), dtype=np.float32)
-        errors = 0
-        for i, (text, answer, finished) in enumerate(
-            zip(texts, batch.answers, batch.finished, strict=True)
-        ):
-            if not finished:
-                continue
-            try:
-                rewards[i] = self.scorer(text, answer)
-            except Exception:  # a scorer bug must not stop the run; it is counted and reported
-                errors += 1
+        finished = np.flatnonzero(batch.finished)  # a completion cut at the length limit scores 0
+        scores, errors, timeouts = self._score_pairs(
+            [(texts[i], batch.answers[i]) for i in finished]
+        )
+        rewards[finished] = scores
         self.scored += len(batch)
         self.errors += errors
+        self.timeouts += timeouts
         elapsed = time.perf_counter() - start
         summary = {
             "samples": len(batch),
             "errors": errors,
+            "timeouts": timeouts,
             "reward_mean": float(rewards.mean()) if len(batch) else 0.0,
             "busy_s": elapsed,
         }
         return summary, replace(batch, completions=texts, rewards=rewards, score_errors=errors)
 
+    def _score_pairs(self, pairs: list[tuple[str, str]]) -> tuple[list[float], int, int]:
+        """Scores of (completion, reference) pairs, and how many raised and how many timed out."""
+        if self.pool is not None:
+            before = self.pool.counters
+            scores = self.pool.score_batch(pairs)
+            after = self.pool.counters
+            return (
+                scores,
+                after["errors"] - before["errors"],
+                after["timeouts"] - before["timeouts"],
+            )
+        scores, errors = [], 0
+        for completion, reference in pairs:
+            try:
+                scores.append(self.scorer(completion, reference))
+            except Exception:  # a scorer bug must not stop the run; it is counted and reported
+                scores.append(0.0)
+                errors += 1
+        return scores, errors, 0
+
+    def close(self) -> None:
+        """Stop the scoring processes, if any."""
+        if self.pool is not None:
+            self.pool.close()
+
     def stats(self) -> dict[str, float]:
         """Counters for the run summary."""
-        return {"busy_s": self.tracer.busy_s(), "scored": self.scored, "errors": self.errors}
+        return {
+            "busy_s": self.tracer.busy_s(),
+            "scored": self.scored,
+            "errors": self.errors,
+            "timeouts": self.timeouts,
+        }
 
     def trace(self) -> tuple[list[Span], list[Span]]:
         """Busy spans and waits recorded so far."""
@@ -76,8 +113,12 @@ class Rewarder:
 
     def state_dict(self) -> dict:
         """Counters to restore on resume."""
-        return {"scored": self.scored, "errors": self.errors}
+        return {"scored": self.scored, "errors": self.errors, "timeouts": self.timeouts}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what ``state_dict`` saved."""
-        self.scored, self.errors = state["scored"], state["errors"]
+        self.scored, self.errors, self.timeouts = (
+            state["scored"],
+            state["errors"],
+            state["timeouts"],
+        )

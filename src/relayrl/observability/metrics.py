@@ -78,6 +78,7 @@ class RunTally:
         self.trained = 0
         self.dropped_stale = 0
         self.score_errors = 0
+        self.score_timeouts = 0
         self.lag_hist: Counter[int] = Counter()
         self.gen_s: list[float] = []
         self.score_s: list[float] = []
@@ -105,10 +106,11 @@ class RunTally:
         self.generated += samples
         self.gen_s.append(busy_s)
 
-    def on_scored(self, busy_s: float, errors: int) -> None:
-        """A score call finished."""
+    def on_scored(self, busy_s: float, errors: int, timeouts: int) -> None:
+        """A score call finished; ``errors`` and ``timeouts`` samples of it scored 0."""
         self.score_s.append(busy_s)
         self.score_errors += errors
+        self.score_timeouts += timeouts
 
     def on_trained(self, metrics: dict) -> dict[str, float]:
         """A train step finished; returns the metrics to log for it."""
@@ -129,6 +131,8 @@ class RunTally:
             "samples/generated_total": float(self.generated),
             "samples/trained_total": float(self.trained),
             "samples/dropped_stale_total": float(self.dropped_stale),
+            "reward/errors": float(self.score_errors),
+            "reward/timeouts": float(self.score_timeouts),
         }
         if "rollout/accuracy" in out:
             self._recent = {
