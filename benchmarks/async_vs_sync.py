@@ -41,12 +41,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import json
-import os
-import platform
 import shlex
 import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -55,7 +51,7 @@ from statistics import mean
 import matplotlib
 import matplotlib.pyplot as plt
 import ray
-import torch
+from common import git_state, machine, relative, save_result
 
 from relayrl.config import load_config
 from relayrl.controller import train
@@ -83,26 +79,21 @@ def main(argv: list[str] | None = None) -> int:
             ray.shutdown()
     result = {
         "benchmark": NAME,
-        "command": shlex.join(["python", *(_relative(arg) for arg in sys.argv)]),
+        "command": shlex.join(["python", *(relative(arg) for arg in sys.argv)]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine(),
         "git": git_state(),
         "settings": {
-            "config": _relative(str(args.config)),
+            "config": relative(str(args.config)),
             "steps": args.steps,
             "repeats": args.repeats,
-            "overrides": [_relative(item) for item in args.overrides],
+            "overrides": [relative(item) for item in args.overrides],
         },
         "config": runs[0]["config"],
         **summarise(runs),
         "runs": [{k: v for k, v in run.items() if k != "config"} for run in runs],
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    json_path = args.out / f"{NAME}.json"
-    json_path.write_text(json.dumps(result, indent=2) + "\n")
-    png_path = plot(result, args.out / f"{NAME}.png")
-    print(markdown_table(result))
-    print(f"\nwrote {_relative(str(json_path))} and {_relative(str(png_path))}", file=sys.stderr)
+    save_result(args.out, NAME, result, plot, markdown_table(result))
     return 0
 
 
@@ -154,7 +145,7 @@ def run_once(args: argparse.Namespace, mode: str, repeat: int, tmp: Path) -> dic
     config["run"]["out_dir"] = "(temporary)"
     for key in ("path", "tokenizer"):
         if isinstance(config["model"][key], str):
-            config["model"][key] = _relative(config["model"][key])
+            config["model"][key] = relative(config["model"][key])
     return {
         "mode": mode,
         "repeat": repeat,
@@ -226,27 +217,6 @@ def sync_overhead(sync: dict) -> dict:
         "ray_and_controller_s_per_step": total - weight_sync,
         "fraction_of_step": total / step,
     }
-
-
-def machine() -> dict:
-    """The machine and library versions, without host name or paths."""
-    return {
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "cpu_count": os.cpu_count(),
-        "torch": torch.__version__,
-        "ray": ray.__version__,
-    }
-
-
-def git_state() -> dict:
-    """Commit and whether the working tree had changes, or empty outside a git checkout."""
-    try:
-        commit = _git("rev-parse", "--short", "HEAD")
-        dirty = bool(_git("status", "--porcelain", "--untracked-files=no"))
-    except (OSError, subprocess.CalledProcessError):
-        return {}
-    return {"commit": commit, "dirty": dirty}
 
 
 def plot(result: dict, path: Path) -> Path:
@@ -334,29 +304,6 @@ def markdown_table(result: dict) -> str:
         f"ray {result['machine']['ray']}.",
     ]
     return "\n".join(lines)
-
-
-def _git(*args: str) -> str:
-    done = subprocess.run(
-        ["git", *args], cwd=REPO, capture_output=True, text=True, check=True, timeout=10
-    )
-    return done.stdout.strip()
-
-
-def _relative(arg: str) -> str:
-    """``arg`` (or the value of ``key=value``) with an absolute path made repository-relative.
-
-    Result files are shared, so they must not name this machine's folders: a path outside the
-    repository keeps only its last component.
-    """
-    key, sep, value = arg.rpartition("=") if "=" in arg else ("", "", arg)
-    if not os.path.isabs(value):
-        return arg
-    try:
-        value = str(Path(value).resolve().relative_to(REPO))
-    except ValueError:
-        value = f".../{Path(value).name}"
-    return f"{key}{sep}{value}"
 
 
 if __name__ == "__main__":

@@ -56,7 +56,7 @@ import ray
 import torch
 import transformers
 import trl
-from async_vs_sync import _relative, git_state, machine
+from common import git_state, machine, relative, save_result
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from trl import GRPOConfig, GRPOTrainer
 
@@ -156,19 +156,19 @@ def main(argv: list[str] | None = None) -> int:
     config["model"]["path"] = "(temporary warm-start checkpoint)"
     result = {
         "benchmark": NAME,
-        "command": shlex.join(["python", *(_relative(arg) for arg in sys.argv)]),
+        "command": shlex.join(["python", *(relative(arg) for arg in sys.argv)]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine() | versions(),
         "git": git_state(),
         "settings": {
-            "config": _relative(str(args.config)),
+            "config": relative(str(args.config)),
             "steps": args.steps,
             "eval_every": args.eval_every,
             "target_accuracy": args.target,
             "trl_threads": args.trl_threads,
             "relayrl_threads_per_executor": cfg.ray.threads_per_executor,
             "completions_per_step": cfg.generator.prompts_per_step * cfg.generator.group_size,
-            "overrides": [_relative(item) for item in args.overrides],
+            "overrides": [relative(item) for item in args.overrides],
         },
         "config": config,
         "losses": LOSSES,
@@ -176,12 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         "warm_start": warm,
         "systems": runs,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    json_path = args.out / f"{NAME}.json"
-    json_path.write_text(json.dumps(result, indent=2) + "\n")
-    png_path = plot(result, args.out / f"{NAME}.png")
-    print(markdown_table(result))
-    print(f"\nwrote {_relative(str(json_path))} and {_relative(str(png_path))}", file=sys.stderr)
+    save_result(args.out, NAME, result, plot, markdown_table(result))
     return 0
 
 
