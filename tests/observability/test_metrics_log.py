@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -30,7 +31,12 @@ def test_wandb_offline_run_is_written_under_the_run_directory(tmp_path, monkeypa
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1
     (events,) = runs[0].glob("*.wandb")  # the record log that `wandb sync` uploads
-    records = events.read_bytes()  # history rows are protobuf records with JSON-encoded values
+    # History rows are protobuf records with JSON-encoded values. W&B's writer process may still
+    # be flushing them when finish() returns on a loaded machine, so allow it a moment.
+    deadline = time.monotonic() + 30
+    while b"0.75" not in events.read_bytes() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    records = events.read_bytes()
     assert b"rollout/accuracy" in records and b"0.75" in records
 
 
