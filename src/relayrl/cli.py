@@ -52,13 +52,34 @@ def main(argv: list[str] | None = None) -> int:
         "finished and interrupted runs.",
     )
     report.add_argument("run_dir", help="a run directory written by relayrl train")
+    evaluate = commands.add_parser(
+        "eval",
+        help="score a checkpoint on math500, gsm8k or a JSONL/Parquet file",
+        description="Generate with the generator executor and score with the sandboxed math "
+        "scorer; print pass@1, mean@k and pass@k, a per-subject and per-level breakdown where "
+        "the data has one, and timing; write every sample to a JSONL file.",
+    )
+    evaluate.add_argument("path", help="a run directory or a Hugging Face checkpoint directory")
+    evaluate.add_argument(
+        "--data",
+        required=True,
+        help="math500, gsm8k, or a .jsonl/.parquet file with 'prompt' and 'answer' fields",
+    )
+    evaluate.add_argument("--k", type=int, default=1, help="samples per problem (1: greedy)")
+    evaluate.add_argument("--max-new-tokens", type=int, default=256, help="completion length cap")
+    evaluate.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
+    evaluate.add_argument("--limit", type=int, default=None, help="only the first N problems")
+    evaluate.add_argument("--workers", type=int, default=2, help="scoring worker processes")
+    evaluate.add_argument("--out", default=None, help="samples JSONL (default next to the model)")
     # parse_args would reject overrides placed after an option (`--ray-address auto steps=5`):
     # argparse fills the nargs="*" positional once, so later ones come back as leftovers.
     args, leftovers = parser.parse_known_args(argv)
+    if args.command in ("report", "eval") and leftovers:
+        parser.error(f"unrecognized arguments: {' '.join(leftovers)}")
     if args.command == "report":
-        if leftovers:
-            parser.error(f"unrecognized arguments: {' '.join(leftovers)}")
         return _report(args.run_dir)
+    if args.command == "eval":
+        return _eval(args)
     if any(item.startswith("-") for item in leftovers):
         parser.error(f"unrecognized arguments: {' '.join(leftovers)}")
 
@@ -82,6 +103,30 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"relayrl: interrupted; partial results in {run_dir}", file=sys.stderr)
         return 130
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    if args.k < 1 or args.max_new_tokens < 1 or args.temperature <= 0:
+        print("relayrl: --k and --max-new-tokens must be >= 1, --temperature > 0", file=sys.stderr)
+        return 2
+    from relayrl.evaluate import evaluate, format_report
+
+    try:
+        report = evaluate(
+            Path(args.path),
+            args.data,
+            k=args.k,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            limit=args.limit,
+            out=Path(args.out) if args.out else None,
+            workers=args.workers,
+        )
+    except (FileNotFoundError, ValueError) as err:
+        print(f"relayrl: {err}", file=sys.stderr)
+        return 2
+    print(format_report(report))
     return 0
 
 

@@ -111,32 +111,54 @@ class Generator:
     def evaluate(self, split: str = "heldout", batch_size: int = 500) -> RolloutBatch:
         """Greedy completions of the held-out split, or of the probe of training problems."""
         with self.tracer.span(f"evaluate:{split}", self.version):
-            return self._evaluate(split, batch_size)
+            problems = {"heldout": self.task.heldout, "probe": lambda: self.probe}[split]()
+            prompts = [encode_prompt(self.tokenizer, p.prompt) for p in problems]
+            return self._complete(
+                prompts, [p.answer for p in problems], 1, True, self.cfg.max_new_tokens, batch_size
+            )
 
-    def _evaluate(self, split: str, batch_size: int) -> RolloutBatch:
-        problems = {"heldout": self.task.heldout, "probe": lambda: self.probe}[split]()
-        samples: list[_Sample] = []
-        for offset in range(0, len(problems), batch_size):
-            part = [
-                _Sample(-1, encode_prompt(self.tokenizer, p.prompt))
-                for p in problems[offset : offset + batch_size]
-            ]
+    def complete(
+        self,
+        prompts: list[list[int]],
+        answers: list[str],
+        k: int = 1,
+        greedy: bool = False,
+        max_new_tokens: int | None = None,
+        batch_size: int = 64,
+    ) -> RolloutBatch:
+        """``k`` completions of each tokenised prompt, generated in one go, grouped per prompt."""
+        with self.tracer.span("complete", self.version):
+            limit = max_new_tokens or self.cfg.max_new_tokens
+            return self._complete(prompts, answers, k, greedy, limit, batch_size)
+
+    def _complete(
+        self,
+        prompts: list[list[int]],
+        answers: list[str],
+        k: int,
+        greedy: bool,
+        max_new_tokens: int,
+        batch_size: int,
+    ) -> RolloutBatch:
+        samples = [_Sample(i, prompt) for i, prompt in enumerate(prompts) for _ in range(k)]
+        for offset in range(0, len(samples), batch_size):
+            part = samples[offset : offset + batch_size]
             chunk = sample_chunk(
                 self.model,
                 [s.prompt for s in part],
-                self.cfg.max_new_tokens,
+                max_new_tokens,
                 eos_id=self.tokenizer.eos_token_id,
                 pad_id=self.tokenizer.pad_token_id,
                 temperature=self.cfg.temperature,
-                greedy=True,
+                greedy=greedy,
+                generator=self.torch_rng,
             )
             for sample, tokens, logprobs, finished in zip(
                 part, chunk.tokens, chunk.logprobs, chunk.finished, strict=True
             ):
                 sample.tokens, sample.logprobs, sample.finished = tokens, logprobs, finished
                 sample.versions = [self.version] * len(tokens)
-            samples += part
-        return _to_batch(samples, [p.answer for p in problems], group_size=1)
+        return _to_batch(samples, [a for a in answers for _ in range(k)], group_size=k)
 
     def update_weights(self, weights: Weights) -> int:
         """Swap in a newer policy; called between generate calls, which is the safe point."""

@@ -61,3 +61,23 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
     """Token ids of a prompt, starting with BOS when the tokenizer has one."""
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     return ([tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []) + ids
+
+
+def encode_prompt_lenient(tokenizer: PreTrainedTokenizerBase, text: str) -> tuple[list[int], int]:
+    """Like ``encode_prompt``, but characters the vocabulary cannot encode are dropped, not fatal.
+
+    Returns the ids and how many characters were dropped (a narrow tokenizer, such as the
+    character tokenizer of the arithmetic demo, meeting general text).
+    """
+    try:
+        return encode_prompt(tokenizer, text), 0
+    except Exception:  # tokenizers raise their own exception types for unknown symbols
+        kept = []
+        for char in text:
+            try:
+                kept.append(tokenizer(char, add_special_tokens=False)["input_ids"])
+            except Exception:
+                continue
+        ids = [i for piece in kept for i in piece]
+        bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+        return bos + ids, len(text) - len(kept)

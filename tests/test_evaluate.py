@@ -1,0 +1,100 @@
+"""`relayrl eval` on tiny Hugging Face checkpoints made here, with a user file and MATH-500."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import tiny_config
+
+from relayrl.models.lm import build_policy, load_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared" / "data"
+
+
+def _checkpoint(folder: Path, tokenizer: str) -> Path:
+    cfg = tiny_config(f"model.tokenizer={tokenizer}")
+    tok = load_tokenizer(tokenizer)
+    build_policy(cfg.model, tok, seed=0).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def _eval(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "relayrl.cli", "eval", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_eval_of_a_byte_tokenizer_checkpoint_on_a_user_file(tmp_path):
+    ckpt = _checkpoint(tmp_path / "ckpt", "builtin:byte")
+    data = tmp_path / "mine.jsonl"
+    data.write_text(
+        "".join(json.dumps({"prompt": f"{a}+1=", "answer": str(a + 1)}) + "\n" for a in range(3))
+    )
+    out = tmp_path / "samples.jsonl"
+    result = _eval(
+        str(ckpt),
+        "--data",
+        str(data),
+        "--k",
+        "2",
+        "--max-new-tokens",
+        "4",
+        "--workers",
+        "1",
+        "--out",
+        str(out),
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "pass@1" in result.stdout and "mean@2" in result.stdout and "pass@2" in result.stdout
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 6 and {r["sample"] for r in rows} == {0, 1}
+    assert {"problem", "answer", "response", "extracted", "score"} <= set(rows[0])
+    assert all(r["score"] in (0.0, 1.0) for r in rows)
+
+
+@pytest.mark.skipif(not (SHARED / "math500_test.jsonl").is_file(), reason=f"{SHARED} not found")
+def test_eval_of_a_run_directory_with_the_demo_char_tokenizer_on_math500(tmp_path):
+    _checkpoint(tmp_path / "run" / "checkpoint", "builtin:char")
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "relayrl.cli",
+            "eval",
+            str(tmp_path / "run"),
+            "--data",
+            "math500",
+            "--limit",
+            "5",
+            "--max-new-tokens",
+            "8",
+            "--workers",
+            "1",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "RELAYRL_DATA_DIR": str(SHARED)},
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "by subject:" in result.stdout and "by level:" in result.stdout
+    assert "prompt characters are not in this checkpoint's vocabulary" in result.stdout
+    rows = (tmp_path / "run" / "eval_math500.jsonl").read_text().splitlines()
+    assert len(rows) == 5 and "subject" in json.loads(rows[0])
+
+
+def test_eval_of_a_missing_checkpoint_exits_2(tmp_path):
+    result = _eval(str(tmp_path), "--data", "math500")
+    assert result.returncode == 2 and "neither a checkpoint directory" in result.stderr
