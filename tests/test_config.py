@@ -158,6 +158,12 @@ def test_section_given_a_scalar_is_rejected():
     assert config_error(None, ["trainer=3"]).startswith("trainer = 3: ")
 
 
+def test_an_override_that_is_not_valid_yaml_says_how_to_quote_it():
+    with pytest.raises(ConfigError, match=r"task.template = '\{q\} A:': not a valid YAML value"):
+        load_config(None, ["task.template={q} A:"])
+    assert load_config(None, ["task.template='{q} A:'"]).task.template == "{q} A:"
+
+
 def test_negative_max_staleness_says_what_is_allowed():
     message = config_error(ARITH, ["max_staleness=-1"])
 

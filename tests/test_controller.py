@@ -113,3 +113,30 @@ def test_sync_with_partial_rollouts_counts_only_batches_that_reached_the_trainer
     )
     assert summary["steps"] == 6 and summary["samples"]["accounted"]
     assert summary["samples"]["trained"] >= 6 * 4  # at least one group of 4 per counted step
+
+
+def test_dataset_task_with_the_sandboxed_math_scorer_through_ray(ray_session, tmp_path):
+    data = tmp_path / "sums.jsonl"
+    rows = [{"q": f"What is {a}+{a}?", "a": str(2 * a)} for a in range(40)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = tiny_config(
+        *SMALL[:-4],
+        "steps=3",
+        "model.tokenizer=builtin:byte",
+        "model.max_positions=128",
+        "task.name=dataset",
+        f"task.data={data}",
+        "task.prompt_field=q",
+        "task.answer_field=a",
+        "task.template='{q} Answer:'",
+        "task.heldout_size=10",
+        "generator.max_new_tokens=6",
+        "generator.max_new_tokens_per_step=6",
+        "rewarder.scorer=math",
+        "rewarder.workers=1",
+    )
+    summary = train(cfg, tmp_path / "run")
+    assert summary["steps"] == 3 and summary["eval"]["end"]["n"] == 10
+    samples = summary["samples"]
+    assert samples["accounted"] and samples["trained"] == 3 * 16
+    assert samples["score_errors"] == 0 and samples["score_timeouts"] == 0

@@ -14,7 +14,14 @@ from typing import Any, Literal, get_args, get_origin
 import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from relayrl.algorithms.advantages import ADVANTAGES
 from relayrl.algorithms.losses import LOSSES
@@ -72,14 +79,32 @@ class ModelConfig(_Section):
 
 
 class TaskConfig(_Section):
-    """The synthetic arithmetic task with a verifiable answer and a held-out split."""
+    """Where prompts and reference answers come from, with a fixed held-out split."""
 
-    name: Literal["addition"] = Field("addition", description="Task name.")
-    digits: int = Field(3, ge=1, le=6, description="Operands are drawn from 0 .. 10**digits - 1.")
+    name: Literal["addition", "dataset"] = Field(
+        "addition", description="addition: synthetic sums; dataset: prompts from task.data."
+    )
+    digits: int = Field(3, ge=1, le=6, description="addition: operands are below 10**digits.")
     reverse_answer: bool = Field(
-        True, description="Write the sum least-significant digit first (far easier to learn)."
+        True, description="addition: write the sum least-significant digit first (easier)."
     )
     heldout_size: int = Field(1000, ge=1, description="Problems in the held-out evaluation split.")
+    data: str | None = Field(
+        None, description="dataset: math500, gsm8k, or a .jsonl/.parquet file."
+    )
+    prompt_field: str = Field("prompt", description="dataset file: field holding the prompt.")
+    answer_field: str = Field("answer", description="dataset file: field holding the answer.")
+    template: str = Field("{prompt}", description="dataset file: prompt template over fields.")
+    answer_template: str = Field(
+        "{answer}",
+        description="Warm-start target built from the reference, e.g. \\boxed{{{answer}}}.",
+    )
+
+    @model_validator(mode="after")
+    def _dataset_needs_data(self) -> TaskConfig:
+        if self.name == "dataset" and self.data is None:
+            raise ValueError("task.name=dataset needs task.data (math500, gsm8k or a file path)")
+        return self
 
 
 class WarmStartConfig(_Section):
@@ -252,6 +277,14 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     for item in overrides:
         if "=" not in item or item.startswith("="):
             raise ConfigError(f"override '{item}' must look like a.b=value")
+    for item in overrides:
+        try:
+            yaml.safe_load(item.split("=", 1)[1])
+        except yaml.YAMLError:
+            key, value = item.split("=", 1)
+            raise ConfigError(
+                f"{key} = {value!r}: not a valid YAML value; quote it, e.g. {key}='{value}'"
+            ) from None
     try:
         merged = OmegaConf.merge(OmegaConf.create(tree), OmegaConf.from_dotlist(list(overrides)))
         tree = OmegaConf.to_container(merged, resolve=True)

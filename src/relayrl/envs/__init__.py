@@ -1,0 +1,16 @@
+"""Tasks: where prompts and reference answers come from."""
+
+from __future__ import annotations
+
+from relayrl.config import TaskConfig
+from relayrl.envs.arithmetic import AdditionTask
+from relayrl.envs.dataset import DatasetTask, load_dataset_task
+
+
+def build_task(tc: TaskConfig) -> AdditionTask | DatasetTask:
+    """The task a config names."""
+    if tc.name == "dataset":
+        return load_dataset_task(
+            tc.data, tc.heldout_size, tc.prompt_field, tc.answer_field, tc.template
+        )
+    return AdditionTask(tc.digits, tc.reverse_answer, tc.heldout_size)

@@ -19,7 +19,8 @@ import torch
 
 from relayrl.config import Config
 from relayrl.engines.native import sample_chunk
-from relayrl.envs.arithmetic import AdditionTask, Problem
+from relayrl.envs import build_task
+from relayrl.envs.arithmetic import Problem
 from relayrl.models.lm import build_policy, encode_prompt, load_tokenizer
 from relayrl.observability.tracing import Span, Tracer
 from relayrl.types import RolloutBatch, RolloutMeta, Weights
@@ -52,7 +53,7 @@ class Generator:
         self.cfg = cfg.generator
         self.tokenizer = load_tokenizer(cfg.model.tokenizer)
         self.model = build_policy(cfg.model, self.tokenizer, cfg.run.seed).eval()
-        self.task = AdditionTask(cfg.task.digits, cfg.task.reverse_answer, cfg.task.heldout_size)
+        self.task = build_task(cfg.task)
         self.probe = self.task.sample(cfg.warm_start.probe_size, random.Random(cfg.run.seed + 4))
         self.rng = random.Random(cfg.run.seed + 1)
         self.torch_rng = torch.Generator().manual_seed(cfg.run.seed + 2)

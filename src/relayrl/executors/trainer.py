@@ -20,7 +20,7 @@ import torch
 from relayrl.algorithms.advantages import ADVANTAGES, zero_signal_samples
 from relayrl.algorithms.losses import LOSSES
 from relayrl.config import Config
-from relayrl.envs.arithmetic import AdditionTask
+from relayrl.envs import build_task
 from relayrl.models.lm import build_policy, encode_prompt, load_tokenizer
 from relayrl.observability.tracing import Span, Tracer
 from relayrl.types import RolloutBatch, Weights
@@ -83,15 +83,14 @@ class Trainer:
         return {"warm_start/loss": float(loss.detach()), "warm_start/time_s": elapsed}
 
     def _warm_state(self) -> tuple[list, random.Random, torch.optim.Optimizer]:
-        task = AdditionTask(
-            self.cfg.task.digits, self.cfg.task.reverse_answer, self.cfg.task.heldout_size
-        )
+        task = build_task(self.cfg.task)
         rng = random.Random(self.cfg.run.seed + 3)
         eos = self.tokenizer.eos_token_id
         examples = []
         for problem in task.sample(self.cfg.warm_start.examples, rng):
             prompt = encode_prompt(self.tokenizer, problem.prompt)
-            answer = self.tokenizer(problem.answer, add_special_tokens=False)["input_ids"] + [eos]
+            target = self.cfg.task.answer_template.format(answer=problem.answer)
+            answer = self.tokenizer(target, add_special_tokens=False)["input_ids"] + [eos]
             examples.append((prompt, answer))
         return examples, rng, self._adamw(self.cfg.warm_start.lr)
 
