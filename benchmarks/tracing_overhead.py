@@ -23,6 +23,7 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import matplotlib
@@ -35,29 +36,25 @@ from relayrl.observability.tracing import Tracer  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 
 
-def span_cost_s(repeats: int = 200_000) -> float:
-    """Seconds to record one busy span (best of five rounds)."""
+def record_cost_s(record: Callable[[Tracer], None], repeats: int = 200_000) -> float:
+    """Seconds one ``record(tracer)`` call takes (best of five rounds)."""
     best = float("inf")
     for _ in range(5):
         tracer = Tracer("bench", max_spans=repeats + 1)
         start = time.perf_counter()
         for _ in range(repeats):
-            with tracer.span("x", 1):
-                pass
+            record(tracer)
         best = min(best, (time.perf_counter() - start) / repeats)
     return best
 
 
-def wait_cost_s(repeats: int = 200_000) -> float:
-    """Seconds to record one wait (best of five rounds)."""
-    best = float("inf")
-    for _ in range(5):
-        tracer = Tracer("bench", max_spans=repeats + 1)
-        start = time.perf_counter()
-        for _ in range(repeats):
-            tracer.wait("w", 0.0, 1.0)
-        best = min(best, (time.perf_counter() - start) / repeats)
-    return best
+def _one_span(tracer: Tracer) -> None:
+    with tracer.span("x", 1):
+        pass
+
+
+def _one_wait(tracer: Tracer) -> None:
+    tracer.wait("w", 0.0, 1.0)
 
 
 def run_counts(run_dir: Path) -> dict:
@@ -86,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     args = parser.parse_args(argv)
 
-    span_s, wait_s = span_cost_s(), wait_cost_s()
+    span_s, wait_s = record_cost_s(_one_span), record_cost_s(_one_wait)
     rows = []
     for run_dir in args.run_dirs:
         counts = run_counts(run_dir)
