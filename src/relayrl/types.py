@@ -78,3 +78,31 @@ class Weights:
 
     version: int
     tensors: dict[str, np.ndarray]
+
+
+@dataclass
+class Segment:
+    """Up to L consecutive steps of one episode from one rollout worker (AcceRL's trajectory unit).
+
+    A segment never spans two episodes. It ends when the episode ends or after L steps; unless it
+    ended with ``terminated``, the trainer bootstraps from the value of the last observation
+    (``images[-1]``), recomputed with its current critic.
+    """
+
+    worker: int
+    episode: int  # per-worker episode counter
+    task: str
+    instruction: str
+    images: np.ndarray  # uint8 [T+1, V, H, W, 3]: the observation before each step, plus the last
+    steps: np.ndarray  # int64 [T+1] step index within the episode of each observation
+    actions: np.ndarray  # int64 [T, D] action tokens
+    logprobs: np.ndarray  # float32 [T, D] behaviour log-prob mu of each action token
+    values: np.ndarray  # float32 [T] behaviour value estimates (recomputed by the trainer)
+    rewards: np.ndarray  # float32 [T]
+    versions: np.ndarray  # int64 [T] policy version that chose each action
+    terminated: bool  # the episode ended in the task's terms at the last step: no bootstrap
+    episode_done: bool  # the episode ended at the last step (terminated or truncated)
+    success: bool  # meaningful when episode_done
+
+    def __len__(self) -> int:
+        return int(self.actions.shape[0])
