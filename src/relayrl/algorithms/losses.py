@@ -124,10 +124,60 @@ def ppo_clip_loss(
     return loss, _metrics(ratio, clipped < unclipped, mask)
 
 
+def gipo_loss(
+    logp: Tensor,
+    mu_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    sigma: float = 1.0,
+    neg_ratio: float = 0.5,
+) -> tuple[Tensor, dict[str, float]]:
+    """GIPO: the importance-weighted surrogate damped by a Gaussian trust weight on the log-ratio.
+
+    loss = -mean_t( r_t * A_t * w_t ),   r_t = pi_t / mu_t
+    w_t  = exp(-0.5 * (log sg(r_t) / s_t)^2),   s_t = sigma if A_t >= 0 else sigma * neg_ratio
+
+    From GIPO (Lu et al., arXiv:2603.03955), the policy loss of AcceRL (arXiv:2603.18464). The
+    weight is a stop-gradient, so d loss / d log pi_t = -r_t * w_t * A_t / n: PPO's hard clip is
+    replaced by a smooth damping that shrinks the gradient of far off-policy tokens but never zeroes
+    it (``ppo_clip_loss`` gives exactly 0 beyond 1 +- eps). The paper uses one sigma for both signs;
+    the authors' released training scripts add a separate scale for negative advantages, with
+    defaults sigma = 1.0 and neg_ratio = 0.5, which we adopt: a narrower weight for A < 0 because
+    pushing down a token whose ratio has already moved far is what destabilises training (the case
+    dual-clip PPO bounds). neg_ratio = 1.0 recovers the paper's symmetric form. A == 0 uses sigma;
+    the choice only affects ``clip_frac``, as the token's loss and gradient are zero either way.
+
+    We compute r_t * w_t as exp(log r_t - 0.5 * (log sg(r_t) / s_t)^2): the same value and gradient,
+    but bounded by exp(s_t^2 / 2), so a log-ratio too large for exp() in float32 gives a zero term
+    instead of inf * 0 = nan.
+
+    Args:
+        logp, mu_logp, advantages, mask: [B, T], see the module docstring.
+        sigma: width of the Gaussian on log r for non-negative advantages, > 0.
+        neg_ratio: width for negative advantages relative to sigma, > 0.
+
+    Returns:
+        The scalar loss (token-mean over valid tokens) and metrics; GIPO never clips, so
+        ``clip_frac`` counts tokens damped to w < 0.5, i.e. |log r| > s * sqrt(2 ln 2) ~ 1.18 s.
+    """
+    if sigma <= 0:
+        raise ValueError(f"sigma must be > 0, got sigma={sigma}")
+    if neg_ratio <= 0:
+        raise ValueError(f"neg_ratio must be > 0, got neg_ratio={neg_ratio}")
+    mask, ratio, advantages = _prepare(logp, mu_logp, advantages, mask)
+    log_ratio = torch.where(mask, logp - mu_logp.detach(), 0.0)
+    scale = torch.where(advantages >= 0, sigma, sigma * neg_ratio)
+    log_weight = -0.5 * (log_ratio.detach() / scale) ** 2
+    loss = -masked_mean((log_ratio + log_weight).exp() * advantages, mask)
+    return loss, _metrics(ratio, log_weight.exp() < 0.5, mask)
+
+
 LOSSES: dict[str, LossFn] = {
     "aipo": aipo_loss,
     "aipo_clamp": aipo_clamp_loss,
     "ppo_clip": ppo_clip_loss,
+    "gipo": gipo_loss,
 }
 
 
