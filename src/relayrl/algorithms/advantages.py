@@ -8,6 +8,7 @@ trainer broadcasts it over that sample's tokens.
 
 from collections.abc import Callable
 
+import torch
 from torch import Tensor
 
 AdvantageFn = Callable[[Tensor, int], Tensor]
@@ -96,3 +97,79 @@ def _grouped(rewards: Tensor, group_size: int) -> Tensor:
 def _zero_signal(groups: Tensor) -> Tensor:
     """[G, group_size] -> [G] bool, true where every reward in the group is equal."""
     return (groups == groups[:, :1]).all(dim=1)
+
+
+def gae(
+    rewards: Tensor,
+    values: Tensor,
+    terminated: Tensor,
+    mask: Tensor,
+    *,
+    gamma: float,
+    lam: float,
+) -> tuple[Tensor, Tensor]:
+    """Generalised advantage estimation over a batch of padded segments, bootstrapping on cuts.
+
+    delta_t = r_t + gamma * V_{t+1} * (1 - d_t) - V_t
+    A_t     = delta_t + gamma * lam * A_{t+1}          (A past the last valid step is 0)
+    G_t     = A_t + V_t                                 (the value target)
+
+    From Schulman et al. 2016 (arXiv:1506.02438). Row i holds one segment of L_i valid steps (see
+    ``relayrl.types.Segment``): segments never span two episodes, so d_t is 1 only on the last valid
+    step of a row whose ``terminated`` is true. Every other row was cut after L steps or truncated
+    by a time limit, and its last step bootstraps from ``values[i, L_i]``, the value of the
+    observation after it, as in AcceRL (arXiv:2603.18464). Treating truncation as termination
+    would teach the critic that the episode ends there. Not part of ``ADVANTAGES``: it needs values
+    and step structure, not groups of outcome rewards.
+
+    Args:
+        rewards: [B, T] float, reward of each step; anything on padding.
+        values: [B, T + 1] float, V of the observation before each step plus, at column L_i, the
+            bootstrap value of row i; anything after it (the critic's values are constants here).
+        terminated: [B] bool, true where the row's last valid step ended the episode in the task's
+            terms, so nothing follows it.
+        mask: [B, T] bool or 0/1, true on valid steps; each row's valid steps form a prefix.
+        gamma: discount in [0, 1].
+        lam: GAE lambda in [0, 1]; 0 gives one-step TD errors, 1 discounted returns minus V_t.
+
+    Returns:
+        (advantages, returns), each [B, T] in the dtype of rewards, 0 on padding.
+    """
+    if not 0.0 <= gamma <= 1.0:
+        raise ValueError(f"gamma must be in [0, 1], got gamma={gamma}")
+    if not 0.0 <= lam <= 1.0:
+        raise ValueError(f"lam must be in [0, 1], got lam={lam}")
+    if rewards.dim() != 2 or mask.shape != rewards.shape:
+        raise ValueError(
+            f"rewards and mask must share one shape [B, T], got {tuple(rewards.shape)} and "
+            f"{tuple(mask.shape)}"
+        )
+    batch, steps = rewards.shape
+    if values.shape != (batch, steps + 1):
+        raise ValueError(
+            f"values must be [B, T + 1] = [{batch}, {steps + 1}], got {tuple(values.shape)}"
+        )
+    if terminated.shape != (batch,):
+        raise ValueError(f"terminated must be [B] = [{batch}], got {tuple(terminated.shape)}")
+    mask = mask.bool()
+    if (mask[:, 1:] & ~mask[:, :-1]).any():
+        raise ValueError("mask must be a prefix of true steps in every row, got a gap")
+
+    rewards = rewards.detach()
+    values = values.detach().to(rewards.dtype)
+    lengths = mask.sum(dim=1)
+    step = torch.arange(steps, device=rewards.device)
+    last = step == (lengths - 1).unsqueeze(1)
+    done = last & terminated.bool().unsqueeze(1)
+    # Padding may hold anything (even nan); select it away so it cannot reach a valid step.
+    next_values = torch.where(mask & ~done, values[:, 1:], 0.0)
+    deltas = torch.where(mask, rewards + gamma * next_values - values[:, :-1], 0.0)
+
+    advantages = torch.zeros_like(rewards)
+    running = torch.zeros(batch, dtype=rewards.dtype, device=rewards.device)
+    for t in reversed(range(steps)):
+        # A terminal step is always a row's last, where running is already 0 from the padding.
+        running = deltas[:, t] + gamma * lam * running
+        advantages[:, t] = running
+    returns = torch.where(mask, advantages + values[:, :-1], 0.0)
+    return advantages, returns
