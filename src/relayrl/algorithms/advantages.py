@@ -161,8 +161,8 @@ def gae(
     step = torch.arange(steps, device=rewards.device)
     last = step == (lengths - 1).unsqueeze(1)
     done = last & terminated.bool().unsqueeze(1)
+    next_values = torch.where(done, 0.0, values[:, 1:])
     # Padding may hold anything (even nan); select it away so it cannot reach a valid step.
-    next_values = torch.where(mask & ~done, values[:, 1:], 0.0)
     deltas = torch.where(mask, rewards + gamma * next_values - values[:, :-1], 0.0)
 
     advantages = torch.zeros_like(rewards)
