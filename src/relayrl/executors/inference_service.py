@@ -1,0 +1,295 @@
+"""Inference service: one copy of the VLA policy serving many rollout workers with dynamic batching.
+
+Workers call ``act`` concurrently, one observation each. Requests wait in a queue; a batch is
+flushed when ``max_batch`` requests are waiting or ``max_wait_ms`` after the oldest waiting one
+arrived, and answered by one forward pass. The service is an asyncio object: as a Ray actor it is
+an async actor (Ray runs its methods as coroutines on one event loop), and the forward pass runs in
+a worker thread so that the loop keeps accepting requests while the policy computes.
+
+Weight swaps drain: ``set_weights`` waits for the forward pass in flight, holds new batches, loads
+the weights and bumps the version. Forward passes and weight loads take turns on one lock, so no
+forward ever runs on a mix of two versions, and every reply carries the version that computed it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import warnings
+from collections import Counter, deque
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from relayrl.envs.embodied import Observation
+from relayrl.observability.tracing import Span, Tracer
+
+# Per-request latencies kept for percentiles; totals cover every request.
+LATENCY_WINDOW = 10_000
+
+
+class ActingPolicy(Protocol):
+    """What the service needs from a policy (``relayrl.models.vla.VLAPolicy`` provides it)."""
+
+    def act(
+        self,
+        images: torch.Tensor,
+        instructions: list[str],
+        steps: torch.Tensor,
+        *,
+        greedy: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """images uint8 [B, V, H, W, 3], steps int64 [B] -> (actions int64 [B, D],
+        logprobs float32 [B, D], values float32 [B])."""
+        ...
+
+
+@dataclass
+class ActReply:
+    """The policy's answer to one observation."""
+
+    actions: np.ndarray  # int64 [D] action tokens
+    logprobs: np.ndarray  # float32 [D] behaviour log-prob mu of each token
+    value: float  # behaviour value estimate of the observation
+    version: int  # policy version of the weights that computed this reply
+
+
+@dataclass
+class _Request:
+    obs: Observation
+    future: asyncio.Future | None  # None for act_batch, which answers directly
+    arrived: float  # time.monotonic()
+
+
+class InferenceService:
+    """Dynamic-batching inference copy of the policy; a Ray async actor in a run.
+
+    ``policy`` is a ``torch.nn.Module`` with ``act`` (see ``ActingPolicy``); it is put in eval
+    mode. ``max_batch`` is the most requests one forward pass answers; ``max_wait_ms`` is how
+    long the oldest waiting request may wait for others before its batch is flushed anyway (0
+    flushes whatever is waiting at once). ``version`` is the policy version of the initial weights.
+    ``threads`` sets torch's intra-op threads for the forward pass (None leaves torch's setting).
+    """
+
+    name = "inference_service"
+
+    def __init__(
+        self,
+        policy: torch.nn.Module,
+        *,
+        max_batch: int = 16,
+        max_wait_ms: float = 2.0,
+        version: int = 0,
+        threads: int | None = None,
+    ):
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        if max_wait_ms < 0:
+            raise ValueError(f"max_wait_ms must be >= 0, got {max_wait_ms}")
+        if threads is not None:
+            torch.set_num_threads(threads)
+        self.policy = policy.eval()
+        self.max_batch = max_batch
+        self.max_wait_s = max_wait_ms / 1000.0
+        self.version = version
+        self.tracer = Tracer(self.name)
+        # One thread: forwards and weight loads never run at the same time anyway (the lock), and
+        # a single thread keeps torch's thread pool from being oversubscribed.
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inference")
+        self._pending: deque[_Request] = deque()
+        self._arrived: asyncio.Event | None = None
+        self._model_lock: asyncio.Lock | None = None
+        self._batcher: asyncio.Task | None = None
+        self._reset_counters()
+
+    async def act(self, obs: Observation) -> ActReply:
+        """Queue one observation for the next batch and return its reply."""
+        self._ensure_batcher()
+        future = asyncio.get_running_loop().create_future()
+        self._pending.append(_Request(obs, future, time.monotonic()))
+        self._arrived.set()
+        return await future
+
+    async def act_batch(
+        self, observations: Sequence[Observation], *, greedy: bool = False
+    ) -> list[ActReply]:
+        """One forward pass on exactly ``observations``, without queueing (lockstep mode).
+
+        ``greedy`` takes the most likely action tokens (evaluation) instead of sampling.
+        """
+        if not observations:
+            return []
+        self._ensure_batcher()
+        requests = [_Request(obs, None, time.monotonic()) for obs in observations]
+        return await self._forward(requests, greedy=greedy)
+
+    async def set_weights(
+        self, state_dict: Mapping[str, torch.Tensor | np.ndarray], version: int
+    ) -> int:
+        """Load new weights (every parameter name must match) after the forward pass in flight;
+        batches formed meanwhile wait and run on the new weights. Returns the new version."""
+        if version < self.version:
+            raise ValueError(f"version must not go backwards: got {version}, have {self.version}")
+        self._ensure_batcher()
+        async with self._model_lock:
+            with self.tracer.span("set_weights", version):
+                await asyncio.get_running_loop().run_in_executor(
+                    self._executor, _load, self.policy, state_dict
+                )
+                self.version = version
+        return self.version
+
+    async def stats(self) -> dict:
+        """Counters since the last ``reset_stats``: requests, forwards, busy seconds, the batch-size
+        histogram and per-request latency (queue wait plus forward) in milliseconds."""
+        window = np.asarray(self._latencies, dtype=np.float64) * 1000.0
+        requests = self._requests
+        return {
+            "version": self.version,
+            "requests": requests,
+            "forwards": self._forwards,
+            "busy_s": self._busy_s,
+            "batch_sizes": dict(sorted(self._batch_sizes.items())),
+            "mean_batch": requests / self._forwards if self._forwards else 0.0,
+            "queue_ms_mean": 1000.0 * self._queue_s / requests if requests else 0.0,
+            "latency_ms_mean": 1000.0 * self._latency_s / requests if requests else 0.0,
+            "latency_ms_p50": float(np.percentile(window, 50)) if window.size else 0.0,
+            "latency_ms_p95": float(np.percentile(window, 95)) if window.size else 0.0,
+            "latency_ms_max": float(window.max()) if window.size else 0.0,
+            "waiting": len(self._pending),
+        }
+
+    async def reset_stats(self) -> None:
+        """Start new counters (e.g. after warm-up)."""
+        self._reset_counters()
+
+    def _reset_counters(self) -> None:
+        self._requests = 0
+        self._forwards = 0
+        self._busy_s = 0.0
+        self._queue_s = 0.0
+        self._latency_s = 0.0
+        self._batch_sizes: Counter[int] = Counter()
+        self._latencies: deque[float] = deque(maxlen=LATENCY_WINDOW)
+
+    async def trace(self) -> tuple[list[Span], list[Span]]:
+        """Busy spans (forwards, weight swaps) and waits recorded so far."""
+        return self.tracer.spans, self.tracer.waits
+
+    async def state_dict(self) -> dict:
+        """The policy version (weights come from the trainer)."""
+        return {"version": self.version}
+
+    async def load_state_dict(self, state: dict) -> None:
+        """Restore what ``state_dict`` saved."""
+        self.version = state["version"]
+
+    async def close(self) -> None:
+        """Stop batching; requests still waiting fail with ``RuntimeError``."""
+        if self._batcher is not None:
+            self._batcher.cancel()
+            await asyncio.gather(self._batcher, return_exceptions=True)
+            self._batcher = None
+        while self._pending:
+            request = self._pending.popleft()
+            if not request.future.done():
+                request.future.set_exception(RuntimeError("inference service closed"))
+        self._executor.shutdown(wait=False)
+
+    def _ensure_batcher(self) -> None:
+        # Started lazily on the loop that serves the calls: a Ray actor's __init__ runs outside it.
+        loop = asyncio.get_running_loop()
+        if self._batcher is not None and self._batcher.get_loop() is loop:
+            return
+        self._arrived = asyncio.Event()
+        self._model_lock = asyncio.Lock()
+        self._batcher = loop.create_task(self._batch_loop(), name="inference-batcher")
+
+    async def _batch_loop(self) -> None:
+        while True:
+            while not self._pending:
+                self._arrived.clear()
+                await self._arrived.wait()
+            deadline = self._pending[0].arrived + self.max_wait_s
+            while len(self._pending) < self.max_batch:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._arrived.clear()
+                # A timeout only ends this wait; the loop re-reads the clock, so a batch never
+                # leaves before its deadline because a timer fired a little early.
+                with contextlib.suppress(TimeoutError, asyncio.TimeoutError):
+                    await asyncio.wait_for(self._arrived.wait(), left)
+            batch = [
+                self._pending.popleft() for _ in range(min(self.max_batch, len(self._pending)))
+            ]
+            try:
+                replies = await self._forward(batch, greedy=False)
+            except Exception as err:  # the callers get the error; the service keeps serving
+                for request in batch:
+                    if not request.future.done():
+                        request.future.set_exception(err)
+                continue
+            for request, reply in zip(batch, replies, strict=True):
+                if not request.future.done():  # the caller may have been cancelled
+                    request.future.set_result(reply)
+
+    async def _forward(self, requests: list[_Request], *, greedy: bool) -> list[ActReply]:
+        async with self._model_lock:
+            version = self.version
+            start = time.monotonic()
+            with self.tracer.span("forward", version):
+                actions, logprobs, values = await asyncio.get_running_loop().run_in_executor(
+                    self._executor, _run_policy, self.policy, [r.obs for r in requests], greedy
+                )
+            end = time.monotonic()
+        self._forwards += 1
+        self._busy_s += end - start
+        self._batch_sizes[len(requests)] += 1
+        for r in requests:
+            self._requests += 1
+            self._queue_s += start - r.arrived
+            self._latency_s += end - r.arrived
+            self._latencies.append(end - r.arrived)
+        return [
+            ActReply(actions[i], logprobs[i], float(values[i]), version)
+            for i in range(len(requests))
+        ]
+
+
+def _run_policy(
+    policy: torch.nn.Module, observations: list[Observation], greedy: bool
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One forward pass: observations -> (actions int64 [B, D], logprobs float32 [B, D],
+    values float32 [B]) as numpy arrays."""
+    images = torch.from_numpy(np.stack([o.image for o in observations]))
+    steps = torch.tensor([o.step for o in observations], dtype=torch.int64)
+    with torch.no_grad():
+        actions, logprobs, values = policy.act(
+            images, [o.instruction for o in observations], steps, greedy=greedy
+        )
+    batch = len(observations)
+    if actions.shape[0] != batch or logprobs.shape != actions.shape or values.shape != (batch,):
+        raise ValueError(
+            f"policy.act returned actions {tuple(actions.shape)}, logprobs "
+            f"{tuple(logprobs.shape)}, values {tuple(values.shape)} for a batch of {batch}; "
+            f"expected [{batch}, D], [{batch}, D], [{batch}]"
+        )
+    return (
+        actions.to(torch.int64).cpu().numpy(),
+        logprobs.to(torch.float32).cpu().numpy(),
+        values.to(torch.float32).cpu().numpy(),
+    )
+
+
+def _load(policy: torch.nn.Module, state_dict: Mapping[str, torch.Tensor | np.ndarray]) -> None:
+    with warnings.catch_warnings():
+        # Ray hands out read-only views of the object store; load_state_dict only reads them.
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        state = {k: torch.as_tensor(v) for k, v in state_dict.items()}
+    policy.load_state_dict(state, strict=True)

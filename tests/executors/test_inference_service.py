@@ -1,0 +1,228 @@
+"""Inference service: dynamic batching answers every request with its own result, flushes a lone
+request after max_wait, and swaps weights only between forward passes."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import sys
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from relayrl.envs.embodied import Observation
+from relayrl.executors.inference_service import InferenceService
+
+
+class EncodingPolicy(torch.nn.Module):
+    """A fake policy whose output encodes its input and its weights, so a mix-up shows:
+    actions = [mean pixel, step], logprobs = -actions / 1000, value = 1000 * scale + step."""
+
+    def __init__(self, scale: float = 1.0):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.tensor(scale))
+        self.log: list[tuple] = []
+
+    def act(self, images, instructions, steps, *, greedy=False):
+        self.log.append(("start", float(self.scale), len(steps), greedy))
+        self.wait_inside()
+        pixel = images.float().mean(dim=(1, 2, 3, 4)).round().long()
+        actions = torch.stack([pixel, steps], dim=1)
+        values = self.scale * 1000 + steps.float()
+        self.log.append(("end", float(self.scale)))
+        return actions, -actions.float() / 1000, values
+
+    def wait_inside(self) -> None:
+        """Hook for a slow or gated forward pass."""
+
+    def load_state_dict(self, state_dict, strict=True, assign=False):
+        self.log.append(("load", float(state_dict["scale"])))
+        return super().load_state_dict(state_dict, strict, assign)
+
+
+class GatedPolicy(EncodingPolicy):
+    """Each forward pass blocks until the test releases it."""
+
+    def __init__(self):
+        super().__init__()
+        self.started = threading.Event()
+        self.release = threading.Event()
+
+    def wait_inside(self) -> None:
+        self.started.set()
+        assert self.release.wait(10), "the test never released the forward pass"
+
+
+class SlowPolicy(EncodingPolicy):
+    def wait_inside(self) -> None:
+        threading.Event().wait(0.003)
+
+
+def obs(pixel: int, step: int) -> Observation:
+    return Observation(np.full((2, 4, 4, 3), pixel, np.uint8), f"go to {pixel}", "t", step)
+
+
+def check(reply, pixel: int, step: int, scale: float = 1.0) -> None:
+    assert reply.actions.tolist() == [pixel, step]
+    np.testing.assert_allclose(reply.logprobs, [-pixel / 1000, -step / 1000], rtol=1e-6)
+    assert reply.value == pytest.approx(1000 * scale + step)
+
+
+def test_concurrent_callers_get_their_own_answers_in_batches_of_at_most_max_batch():
+    async def main():
+        service = InferenceService(EncodingPolicy(), max_batch=4, max_wait_ms=50)
+
+        async def caller(c: int) -> list:
+            return [(await service.act(obs(10 * c + j, c)), 10 * c + j, c) for j in range(3)]
+
+        results = await asyncio.gather(*(caller(c) for c in range(10)))
+        return results, await service.stats()
+
+    results, stats = asyncio.run(main())
+    for reply, pixel, step in (r for rs in results for r in rs):
+        check(reply, pixel, step)
+        assert reply.version == 0
+    sizes = stats["batch_sizes"]
+    assert sum(size * count for size, count in sizes.items()) == stats["requests"] == 30
+    assert sum(sizes.values()) == stats["forwards"]
+    assert max(sizes) == 4  # ten callers arrive together: the first batch is full
+    assert all(1 <= size <= 4 for size in sizes)
+
+
+def test_concurrent_ray_actor_callers(ray_session):
+    ray = ray_session
+    # The fake policy and the caller live in this test module, which Ray's workers cannot import.
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+    @ray.remote(num_cpus=0)
+    class Caller:
+        def run(self, service, caller: int) -> list:
+            refs = [service.act.remote(obs(10 * caller + j, caller)) for j in range(8)]
+            return [(r, 10 * caller + j, caller) for j, r in enumerate(ray.get(refs))]
+
+    service = ray.remote(num_cpus=0)(InferenceService).remote(
+        EncodingPolicy(), max_batch=4, max_wait_ms=50
+    )
+    callers = [Caller.remote() for _ in range(2)]
+    results = ray.get([c.run.remote(service, i) for i, c in enumerate(callers)])
+    stats = ray.get(service.stats.remote())
+    for reply, pixel, step in (r for rs in results for r in rs):
+        check(reply, pixel, step)
+    sizes = stats["batch_sizes"]
+    assert stats["requests"] == 16
+    assert max(sizes) > 1 and max(sizes) <= 4
+    for handle in [service, *callers]:
+        ray.kill(handle)
+
+
+def test_a_lone_request_is_flushed_after_max_wait():
+    async def main():
+        service = InferenceService(EncodingPolicy(), max_batch=8, max_wait_ms=30)
+        reply = await asyncio.wait_for(service.act(obs(7, 2)), timeout=10)
+        return reply, await service.stats()
+
+    reply, stats = asyncio.run(main())
+    check(reply, 7, 2)
+    assert stats["batch_sizes"] == {1: 1}
+    assert stats["queue_ms_mean"] >= 30  # it waited for company until the deadline, then went
+
+
+def test_weight_swap_waits_for_the_forward_in_flight_and_holds_new_batches():
+    policy = GatedPolicy()
+
+    async def main():
+        service = InferenceService(policy, max_batch=3, max_wait_ms=20)
+        first = [asyncio.create_task(service.act(obs(p, p))) for p in (1, 2, 3)]
+        assert await asyncio.to_thread(policy.started.wait, 10)
+        swap = asyncio.create_task(service.set_weights({"scale": torch.tensor(2.0)}, version=1))
+        later = [asyncio.create_task(service.act(obs(p, p))) for p in (4, 5)]
+        await asyncio.sleep(0.05)
+        assert not swap.done()  # the first forward pass is still running
+        assert policy.log == [("start", 1.0, 3, False)]
+        policy.release.set()
+        return await asyncio.gather(*first), await swap, await asyncio.gather(*later)
+
+    first, version, later = asyncio.run(main())
+    assert version == 1
+    for reply, p in zip(first, (1, 2, 3), strict=True):
+        check(reply, p, p, scale=1.0)
+        assert reply.version == 0
+    for reply, p in zip(later, (4, 5), strict=True):
+        check(reply, p, p, scale=2.0)
+        assert reply.version == 1
+    assert policy.log == [
+        ("start", 1.0, 3, False),
+        ("end", 1.0),
+        ("load", 2.0),
+        ("start", 2.0, 2, False),
+        ("end", 2.0),
+    ]
+
+
+def test_every_reply_carries_the_version_of_the_weights_that_computed_it():
+    policy = SlowPolicy()
+
+    async def main():
+        service = InferenceService(policy, max_batch=4, max_wait_ms=1)
+        rng = random.Random(0)
+
+        async def caller(c: int) -> list:
+            out = []
+            for j in range(6):
+                await asyncio.sleep(rng.random() * 0.004)
+                out.append((await service.act(obs(c, j)), c, j))
+            return out
+
+        async def trainer() -> None:
+            for version in (1, 2, 3):
+                await asyncio.sleep(0.01)
+                await service.set_weights({"scale": torch.tensor(version + 1.0)}, version)
+
+        *results, _ = await asyncio.gather(*(caller(c) for c in range(8)), trainer())
+        return [r for rs in results for r in rs]
+
+    replies = asyncio.run(main())
+    for reply, pixel, step in replies:
+        check(reply, pixel, step, scale=reply.version + 1.0)
+    loads = [i for i, e in enumerate(policy.log) if e[0] == "load"]
+    assert len(loads) == 3
+    for i in loads:  # a load never lands inside a forward pass
+        assert policy.log[i - 1][0] == "end" and policy.log[i + 1][0] == "start"
+
+
+def test_act_batch_is_one_forward_on_the_given_list():
+    policy = EncodingPolicy()
+
+    async def main():
+        service = InferenceService(policy, max_batch=2, max_wait_ms=1000)
+        return await service.act_batch([obs(p, 0) for p in range(5)], greedy=True)
+
+    replies = asyncio.run(main())
+    for p, reply in enumerate(replies):
+        check(reply, p, 0)
+    assert policy.log == [("start", 1.0, 5, True), ("end", 1.0)]
+
+
+def test_a_failing_forward_fails_its_requests_and_the_service_keeps_serving():
+    class Flaky(EncodingPolicy):
+        def wait_inside(self) -> None:
+            if len(self.log) == 1:
+                raise RuntimeError("boom")
+
+    async def main():
+        service = InferenceService(Flaky(), max_batch=2, max_wait_ms=1)
+        with pytest.raises(RuntimeError, match="boom"):
+            await service.act(obs(1, 1))
+        return await service.act(obs(2, 2))
+
+    check(asyncio.run(main()), 2, 2)
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(ValueError, match="max_batch must be >= 1, got 0"):
+        InferenceService(EncodingPolicy(), max_batch=0)
+    service = InferenceService(EncodingPolicy(), version=3)
+    with pytest.raises(ValueError, match="version must not go backwards: got 2, have 3"):
+        asyncio.run(service.set_weights({"scale": torch.tensor(1.0)}, 2))
