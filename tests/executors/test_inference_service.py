@@ -105,15 +105,18 @@ def test_concurrent_ray_actor_callers(ray_session):
     service = ray.remote(num_cpus=0)(InferenceService).remote(
         EncodingPolicy(), max_batch=4, max_wait_ms=50
     )
-    callers = [Caller.remote() for _ in range(2)]
-    results = ray.get([c.run.remote(service, i) for i, c in enumerate(callers)])
+    caller = Caller.remote()
+    # Two processes call at once: the caller actor and this driver.
+    remote_results = caller.run.remote(service, 1)
+    local_refs = [service.act.remote(obs(j, 0)) for j in range(8)]
+    results = [[(r, j, 0) for j, r in enumerate(ray.get(local_refs))], ray.get(remote_results)]
     stats = ray.get(service.stats.remote())
     for reply, pixel, step in (r for rs in results for r in rs):
         check(reply, pixel, step)
     sizes = stats["batch_sizes"]
     assert stats["requests"] == 16
     assert max(sizes) > 1 and max(sizes) <= 4
-    for handle in [service, *callers]:
+    for handle in (service, caller):
         ray.kill(handle)
 
 

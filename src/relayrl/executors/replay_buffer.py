@@ -1,0 +1,223 @@
+"""Replay buffer: a FIFO of trajectory segments between rollout workers and the trainer.
+
+Writers never wait: when the buffer is full, ``put`` evicts the oldest segments. The trainer takes
+super-batches of whole segments, oldest first, after dropping those whose oldest action is more
+than ``max_staleness`` versions behind it. Every env step is accounted for:
+``put == taken + dropped_stale + dropped_overflow + resident``.
+
+As a Ray actor it must be threaded (``max_concurrency`` > 1), so that a ``get`` waiting for data
+never blocks the writers; the buffer is thread-safe for that reason. ``Prefetcher`` lives in the
+trainer process and keeps the next super-batch coming while the current one trains.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Generic, TypeVar
+
+from relayrl.types import Segment
+
+T = TypeVar("T")
+
+
+class ReplayBufferClosed(Exception):
+    """Raised by ``ReplayBuffer.get`` once the buffer is closed."""
+
+
+class ReplayBuffer:
+    """Thread-safe FIFO of ``Segment``s with a staleness filter and step accounting.
+
+    ``capacity_steps`` bounds the env steps held (segments are kept or evicted whole).
+    ``max_staleness`` is the largest allowed lag, in policy versions, between the trainer and the
+    oldest action of a segment it trains on; None keeps every segment however old.
+    """
+
+    name = "replay_buffer"
+
+    def __init__(self, capacity_steps: int, *, max_staleness: int | None):
+        if capacity_steps < 1:
+            raise ValueError(f"capacity_steps must be >= 1, got {capacity_steps}")
+        if max_staleness is not None and max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0 or None, got {max_staleness}")
+        self.capacity_steps = capacity_steps
+        self.max_staleness = max_staleness
+        self._segments: deque[Segment] = deque()
+        self._resident_steps = 0
+        self._closed = False
+        self._cond = threading.Condition()
+        self._counts = {
+            f"{what}_{unit}": 0
+            for what in ("put", "taken", "dropped_stale", "dropped_overflow")
+            for unit in ("steps", "segments")
+        }
+        self._wait_s = 0.0
+
+    def put(self, segment: Segment) -> None:
+        """Append ``segment``; never blocks. When full, the oldest segments are evicted and counted
+        as ``dropped_overflow`` (a segment longer than the whole capacity is dropped itself)."""
+        steps = len(segment)
+        with self._cond:
+            self._count("put", segment)
+            if steps > self.capacity_steps:
+                self._count("dropped_overflow", segment)
+                return
+            while self._resident_steps + steps > self.capacity_steps:
+                self._count("dropped_overflow", self._pop())
+            self._segments.append(segment)
+            self._resident_steps += steps
+            self._cond.notify_all()
+
+    def get(
+        self, min_steps: int, trainer_version: int, timeout_s: float | None = None
+    ) -> list[Segment]:
+        """Oldest segments totalling at least ``min_steps`` env steps, none of them stale.
+
+        Segments whose oldest action version is below ``trainer_version - max_staleness`` are
+        dropped first (counted as ``dropped_stale``), also while waiting. Blocks until enough steps
+        are resident; after ``timeout_s`` seconds (None waits forever) it raises ``TimeoutError``
+        and takes nothing, so a caller never trains on a short batch by accident.
+        """
+        if not 1 <= min_steps <= self.capacity_steps:
+            raise ValueError(
+                f"min_steps must be in [1, capacity_steps={self.capacity_steps}], got {min_steps}"
+            )
+        start = time.monotonic()
+        with self._cond:
+            try:
+                enough = self._cond.wait_for(
+                    lambda: self._closed or self._drop_stale(trainer_version) >= min_steps,
+                    timeout_s,
+                )
+            finally:
+                self._wait_s += time.monotonic() - start
+            if self._closed:
+                raise ReplayBufferClosed("replay buffer closed")
+            if not enough:
+                raise TimeoutError(
+                    f"replay buffer: {self._resident_steps} of min_steps={min_steps} env steps "
+                    f"after timeout_s={timeout_s}"
+                )
+            batch, steps = [], 0
+            while steps < min_steps:
+                segment = self._pop()
+                self._count("taken", segment)
+                batch.append(segment)
+                steps += len(segment)
+            return batch
+
+    def close(self) -> None:
+        """Wake every waiting ``get`` with ``ReplayBufferClosed``; later gets raise it too."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def stats(self) -> dict[str, float]:
+        """Env steps and segments put, taken, dropped (stale, overflow) and resident; occupancy
+        (resident steps / capacity) and seconds readers spent waiting."""
+        with self._cond:
+            return {
+                **self._counts,
+                "resident_steps": self._resident_steps,
+                "resident_segments": len(self._segments),
+                "occupancy": self._resident_steps / self.capacity_steps,
+                "reader_wait_s": self._wait_s,
+            }
+
+    def state_dict(self) -> dict:
+        """Resident segments and counters, to resume a run with the same books."""
+        with self._cond:
+            return {"segments": list(self._segments), "counts": dict(self._counts)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what ``state_dict`` saved."""
+        with self._cond:
+            self._segments = deque(state["segments"])
+            self._resident_steps = sum(len(s) for s in self._segments)
+            self._counts = dict(state["counts"])
+            self._cond.notify_all()
+
+    def _drop_stale(self, trainer_version: int) -> int:
+        """Drop stale segments anywhere in the queue (workers interleave, so versions are not
+        sorted); returns the resident steps left."""
+        if self.max_staleness is not None:
+            oldest_allowed = trainer_version - self.max_staleness
+            keep = deque()
+            for segment in self._segments:
+                if int(segment.versions.min()) < oldest_allowed:
+                    self._count("dropped_stale", segment)
+                    self._resident_steps -= len(segment)
+                else:
+                    keep.append(segment)
+            self._segments = keep
+        return self._resident_steps
+
+    def _pop(self) -> Segment:
+        segment = self._segments.popleft()
+        self._resident_steps -= len(segment)
+        return segment
+
+    def _count(self, what: str, segment: Segment) -> None:
+        self._counts[f"{what}_steps"] += len(segment)
+        self._counts[f"{what}_segments"] += 1
+
+
+class Prefetcher(Generic[T]):
+    """Calls ``fetch`` in a background thread so that the next item is ready when asked for.
+
+    The first fetch starts at construction; each ``next`` returns the fetched item and starts the
+    following fetch, so fetching overlaps the caller's work on the item. At most one fetch runs at
+    a time. An exception raised by ``fetch`` is raised by the ``next`` that would have returned its
+    item (and a new fetch starts, so the caller may retry).
+    """
+
+    def __init__(self, fetch: Callable[[], T], *, name: str = "prefetch"):
+        self._fetch = fetch
+        self._name = name
+        self._closed = False
+        self.wait_s = 0.0  # seconds ``next`` spent waiting: fetching was the bottleneck
+        self.fetches = 0
+        self._future = self._start()
+
+    def next(self, timeout_s: float | None = None) -> T:
+        """The prefetched item (waiting up to ``timeout_s`` for it); starts the next fetch."""
+        if self._closed:
+            raise RuntimeError(f"{self._name}: next() after close()")
+        start = time.monotonic()
+        future = self._future
+        try:
+            return future.result(timeout_s)
+        finally:
+            self.wait_s += time.monotonic() - start
+            if future.done():
+                self._future = self._start()
+
+    def close(self) -> None:
+        """Stop prefetching. A fetch already running is abandoned (its thread is a daemon; close
+        the source, e.g. the replay buffer, to end a fetch that would block forever)."""
+        self._closed = True
+        self._future.cancel()
+
+    def __enter__(self) -> Prefetcher[T]:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _start(self) -> Future:
+        future: Future = Future()
+
+        def work() -> None:
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                future.set_result(self._fetch())
+            except BaseException as err:  # handed to the consumer's next()
+                future.set_exception(err)
+
+        self.fetches += 1
+        threading.Thread(target=work, name=self._name, daemon=True).start()
+        return future
