@@ -1,0 +1,34 @@
+"""Weight sync: the trainer publishes (version, named tensors); receivers swap them in atomically.
+
+One small interface, four transports (one file each), chosen by name from ``TRANSPORTS``:
+
+- ``shm``: same-host shared memory; two slots allocated once; zero-copy receive.
+- ``dist``: torch.distributed (gloo on CPU, NCCL on GPU), one process pair per trainer shard and
+  receiver, bucket by bucket; a sharded trainer sends each shard straight to every receiver.
+- ``object_store``: Ray's object store (the baseline most Ray users write).
+- ``disk``: safetensors checkpoint files reloaded by the receiver (the other usual baseline).
+
+Life cycle, the same for every transport::
+
+    pub = TRANSPORTS[kind].Publisher(tensors, receivers=["gen0", "gen1"], timeout_s=30)
+    rcv = TRANSPORTS[kind].Receiver(model, [pub.address], "gen0", timeout_s=30)
+    pub.connect(); rcv.connect()          # concurrently: dist pairs rendezvous here
+    ticket = pub.publish(version, tensors) # returns once the trainer may change its tensors again
+    rcv.receive([ticket])                  # in the receiver: fill a slot, drain, swap
+    with rcv.serving() as version: ...     # forward passes in the receiver
+    pub.finish()                           # transfers done; receivers that failed are in pub.lost
+
+A ticket is small and picklable; the controller carries it from trainer to receivers, so the
+fan-out stays visible at the call site. A receiver that dies or hangs surfaces within
+``timeout_s`` as a ``ReceiverLost`` naming it (or in ``pub.lost``), and the publisher carries on
+with the receivers that remain.
+"""
+
+from __future__ import annotations
+
+from relayrl.weight_sync import disk, dist, object_store, shm
+from relayrl.weight_sync.base import ReceiverLost, ReceiveStats, Ticket
+
+TRANSPORTS = {"shm": shm, "dist": dist, "object_store": object_store, "disk": disk}
+
+__all__ = ["TRANSPORTS", "ReceiveStats", "ReceiverLost", "Ticket"]

@@ -1,0 +1,123 @@
+"""What every transport shares: tickets, receive statistics, the lost-receiver error, and the
+receiver half that owns the double-buffered weights."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from relayrl.weight_sync.buckets import ReceiverState
+
+
+class ReceiverLost(RuntimeError):
+    """A receiver did not take a version within the timeout, or its connection broke."""
+
+    def __init__(self, name: str, reason: str):
+        super().__init__(f"weight-sync receiver {name!r} lost: {reason}")
+        self.name = name
+        self.reason = reason
+
+
+@dataclass
+class Ticket:
+    """What a receiver needs to take one published version of one trainer shard."""
+
+    kind: str
+    shard: int
+    version: int
+    payload: Any = None  # transport-specific: a slot index, an ObjectRef, a file path
+    stall_s: float = 0.0  # how long ``publish`` held the trainer
+    bytes: int = 0
+
+
+@dataclass
+class ReceiveStats:
+    """How one ``receive`` went."""
+
+    version: int
+    fetch_s: float  # moving bytes into the staging slot (0 for a zero-copy swap)
+    drain_s: float  # waiting for forward passes in flight before the swap
+    total_s: float
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+def timed_receive(fetch: Any, state: Any, slot: int, version: int) -> ReceiveStats:
+    """Run ``fetch()`` (fill ``slot``), then swap it in; the timing every receiver reports."""
+    start = time.perf_counter()
+    fetch()
+    fetched = time.perf_counter()
+    drain = state.swap(slot, version)
+    return ReceiveStats(version, fetched - start, drain, time.perf_counter() - start)
+
+
+class ReceiverBase:
+    """The receiver half every transport shares: state, serving, version checks, timing."""
+
+    kind = ""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        addresses: Sequence[dict[str, Any]],
+        name: str,
+        *,
+        precision: str | None = None,
+        timeout_s: float = 60.0,
+        external_slots: Sequence[Sequence[torch.Tensor]] | None = None,
+    ):
+        if not addresses:
+            raise ValueError("a receiver needs the address of at least one trainer shard")
+        for address in addresses:
+            if address["kind"] != self.kind:
+                kind = address["kind"]
+                raise ValueError(
+                    f"address of a {kind!r} publisher given to a {self.kind!r} receiver"
+                )
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.name = name
+        self.addresses = sorted(addresses, key=lambda a: a["shard"])
+        self.timeout_s = timeout_s
+        self.precision = precision
+        self.state = ReceiverState(
+            model,
+            [a["layout"] for a in self.addresses],
+            precision=precision,
+            external_slots=external_slots,
+        )
+
+    @property
+    def version(self) -> int:
+        """The version the model serves now (-1 before the first receive)."""
+        return self.state.version
+
+    def serving(self) -> Any:
+        """Context manager around a forward pass; yields the version it runs on."""
+        return self.state.serving()
+
+    def connect(self) -> None:
+        """Join the publishers (a no-op unless the transport rendezvous)."""
+
+    def close(self) -> None:
+        """Release transport resources."""
+
+    def _check(self, tickets: Sequence[Ticket]) -> int:
+        shards = sorted(t.shard for t in tickets)
+        expected = [a["shard"] for a in self.addresses]
+        if shards != expected:
+            raise ValueError(f"receiver {self.name!r} expects shards {expected}, got {shards}")
+        versions = {t.version for t in tickets}
+        if len(versions) != 1:
+            raise ValueError(f"tickets of one receive must share a version, got {sorted(versions)}")
+        return versions.pop()
+
+    def _timed(self, fetch: Any, slot: int, version: int) -> ReceiveStats:
+        start = time.perf_counter()
+        fetch()
+        fetched = time.perf_counter()
+        drain = self.state.swap(slot, version)
+        return ReceiveStats(version, fetched - start, drain, time.perf_counter() - start)

@@ -1,0 +1,185 @@
+"""torch.distributed transport: one gloo process pair per (trainer shard, receiver), bucket by
+bucket, sends issued asynchronously.
+
+The DDMA analogue: every trainer shard has its own publisher and sends its own tensors straight
+to every receiver; nothing is gathered on one rank. Pairs (rather than one group holding every
+receiver) keep a failure local: a receiver that dies breaks only its own pair, the publisher names
+it and carries on with the others. ``publish`` packs the tensors into a send buffer allocated
+once, issues the sends and returns, so the trainer stalls for one memory copy plus any sends of
+the previous version still in flight.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from relayrl.weight_sync.base import ReceiverBase, ReceiveStats, Ticket
+from relayrl.weight_sync.buckets import Layout, copy_into
+
+BACKENDS = ("gloo",)
+
+
+def _pair(store: dist.Store, receiver: str, rank: int, timeout_s: float) -> dist.ProcessGroup:
+    """The two-process gloo group between a publisher (rank 0) and ``receiver`` (rank 1)."""
+    prefixed = dist.PrefixStore(f"relayrl/sync/{receiver}", store)
+    return dist.ProcessGroupGloo(prefixed, rank, 2, datetime.timedelta(seconds=timeout_s))
+
+
+def _broadcast(group: dist.ProcessGroup, tensor: Tensor) -> dist.Work:
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    return group.broadcast([tensor], opts)
+
+
+class Publisher:
+    """The trainer side of one shard: a store to rendezvous on and a pair per receiver."""
+
+    kind = "dist"
+
+    def __init__(
+        self,
+        tensors: Mapping[str, Tensor],
+        receivers: Sequence[str],
+        *,
+        timeout_s: float = 60.0,
+        shard: int = 0,
+        bucket_bytes: int = 256 << 20,
+        host: str = "127.0.0.1",
+        backend: str = "gloo",
+    ):
+        if backend not in BACKENDS:
+            raise ValueError(f"backend={backend!r} is not one of {BACKENDS}: CPU-only build")
+        self.layout = Layout.of(tensors, bucket_bytes=bucket_bytes)
+        self.receivers = list(receivers)
+        self.timeout_s = timeout_s
+        self.shard = shard
+        self.store = dist.TCPStore(
+            host,
+            0,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+        self.host = host
+        self.buffer = self.layout.allocate()
+        self.views = self.layout.views(self.buffer)
+        self.groups: dict[str, dist.ProcessGroup] = {}
+        self.lost: dict[str, str] = {}
+        self._pending: list[tuple[str, dist.Work]] = []
+
+    @property
+    def address(self) -> dict[str, Any]:
+        """What a receiver needs to join."""
+        return {
+            "kind": self.kind,
+            "shard": self.shard,
+            "layout": self.layout,
+            "host": self.host,
+            "port": self.store.port,
+        }
+
+    def connect(self) -> None:
+        """Form the pair with every receiver (each receiver calls its ``connect`` meanwhile)."""
+        for name in self.receivers:
+            try:
+                self.groups[name] = _pair(self.store, name, 0, self.timeout_s)
+            except RuntimeError as e:
+                self._lose(name, f"did not connect within {self.timeout_s:g} s ({_first_line(e)})")
+
+    def publish(self, version: int, tensors: Mapping[str, Tensor]) -> Ticket:
+        """Pack ``tensors`` and start sending them to every live receiver; returns the ticket."""
+        start = time.perf_counter()
+        self.finish()
+        self.layout.check(tensors)
+        copy_into(self.views, tensors)
+        for name, group in self.groups.items():
+            for begin, end in self.layout.buckets:
+                self._pending.append((name, _broadcast(group, self.buffer[begin:end])))
+        stall = time.perf_counter() - start
+        return Ticket(self.kind, self.shard, version, None, stall, self.layout.nbytes)
+
+    def finish(self, timeout_s: float | None = None) -> dict[str, str]:
+        """Wait for the sends in flight; returns the receivers lost so far."""
+        timeout = datetime.timedelta(seconds=timeout_s or self.timeout_s)
+        for name, work in self._pending:
+            if name in self.lost:
+                continue
+            try:
+                work.wait(timeout)
+            except RuntimeError as e:
+                self._lose(name, _first_line(e))
+        self._pending = []
+        return dict(self.lost)
+
+    def _lose(self, name: str, reason: str) -> None:
+        self.lost[name] = reason
+        self.groups.pop(name, None)
+        warnings.warn(f"weight sync: lost receiver {name!r}: {reason}", stacklevel=3)
+
+    def close(self) -> None:
+        """Drop the pairs and the store."""
+        self.groups.clear()
+        self._pending = []
+
+
+def _first_line(error: BaseException) -> str:
+    return str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__
+
+
+class Receiver(ReceiverBase):
+    """The receiver side: one pair per trainer shard; receives into the staging slot."""
+
+    kind = "dist"
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        addresses: Sequence[dict[str, Any]],
+        name: str,
+        *,
+        precision: str | None = None,
+        timeout_s: float = 60.0,
+    ):
+        super().__init__(model, addresses, name, precision=precision, timeout_s=timeout_s)
+        casting = self.state.layouts != self.state.wire_layouts
+        self.wire = [a["layout"].allocate() for a in self.addresses] if casting else None
+        self.groups: list[dist.ProcessGroup] = []
+
+    def connect(self) -> None:
+        """Join the pair of every trainer shard."""
+        for a in self.addresses:
+            timeout = datetime.timedelta(seconds=self.timeout_s)
+            store = dist.TCPStore(a["host"], a["port"], is_master=False, timeout=timeout)
+            self.groups.append(_pair(store, self.name, 1, self.timeout_s))
+
+    def receive(self, tickets: Sequence[Ticket]) -> ReceiveStats:
+        """Receive every shard's buckets into the staging slot, then swap it in."""
+        version = self._check(tickets)
+        if len(self.groups) != len(self.addresses):
+            raise RuntimeError(f"receiver {self.name!r}: call connect() before receive()")
+        slot = self.state.staging()
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+
+        def fetch() -> None:
+            for i, (a, group) in enumerate(zip(self.addresses, self.groups, strict=True)):
+                target = self.state.slots[slot][i] if self.wire is None else self.wire[i]
+                try:
+                    for begin, end in a["layout"].buckets:
+                        _broadcast(group, target[begin:end]).wait(timeout)
+                except RuntimeError as e:
+                    raise RuntimeError(
+                        f"receiver {self.name!r}: trainer shard {a['shard']} at "
+                        f"{a['host']}:{a['port']} failed mid-transfer: {_first_line(e)}"
+                    ) from e
+                if self.wire is not None:
+                    copy_into(self.state.views[slot], a["layout"].views(self.wire[i]))
+
+        return self._timed(fetch, slot, version)

@@ -1,0 +1,202 @@
+"""Same-host shared memory: two slots in /dev/shm, allocated once, written by the trainer in
+turn; a receiver whose precision matches binds its model straight to a slot (zero-copy).
+
+The trainer writes version v into the slot that held v-2, so before writing it waits until
+every live receiver has swapped past v-2 (each receiver acknowledges the version it serves in
+a small shared header). A receiver that does not within ``timeout_s`` is declared lost and the
+trainer carries on without it. A receiver in another precision copies (and casts) the slot into
+its own staging slot instead.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from relayrl.weight_sync.base import ReceiverBase, ReceiverLost, ReceiveStats, Ticket
+from relayrl.weight_sync.buckets import Layout, copy_into, precision_dtype
+
+EVICTED = -2  # written into a lost receiver's acknowledgement
+POLL_S = 0.0002
+
+
+def _map(path: str, nbytes: int, *, create: bool) -> Tensor:
+    if create:
+        with open(path, "wb") as f:
+            f.truncate(max(nbytes, 1))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*from_file.*")
+        return torch.from_file(path, shared=True, size=max(nbytes, 1), dtype=torch.uint8)
+
+
+class Publisher:
+    """The trainer side: packs each version into the slot no live receiver reads."""
+
+    kind = "shm"
+
+    def __init__(
+        self,
+        tensors: Mapping[str, Tensor],
+        receivers: Sequence[str],
+        *,
+        timeout_s: float = 60.0,
+        shard: int = 0,
+        bucket_bytes: int = 256 << 20,
+        directory: str = "/dev/shm",
+    ):
+        if not os.path.isdir(directory):
+            raise ValueError(f"shared-memory directory {directory!r} does not exist")
+        self.layout = Layout.of(tensors, bucket_bytes=bucket_bytes)
+        self.receivers = list(receivers)
+        self.timeout_s = timeout_s
+        self.shard = shard
+        prefix = os.path.join(directory, f"relayrl-sync-{uuid.uuid4().hex[:12]}-shard{shard}")
+        self.paths = [f"{prefix}-slot{i}" for i in range(2)] + [f"{prefix}-header"]
+        self.slots = [_map(p, self.layout.nbytes, create=True) for p in self.paths[:2]]
+        for slot in self.slots:
+            slot.zero_()  # fault every page in now, not on the first publish
+        # header: version held by slot 0 and slot 1, then the version each receiver serves
+        header_bytes = 8 * (2 + len(self.receivers))
+        self.header = _map(self.paths[2], header_bytes, create=True).view(torch.int64)
+        self.header.fill_(-1)
+        self.views = [self.layout.views(slot) for slot in self.slots]
+        self.lost: dict[str, str] = {}
+        self._next = 0
+
+    @property
+    def address(self) -> dict[str, Any]:
+        """What a receiver needs to attach."""
+        return {
+            "kind": self.kind,
+            "shard": self.shard,
+            "layout": self.layout,
+            "paths": self.paths,
+            "receivers": self.receivers,
+        }
+
+    def connect(self) -> None:
+        """Nothing to rendezvous: receivers map the files themselves."""
+
+    def publish(self, version: int, tensors: Mapping[str, Tensor]) -> Ticket:
+        """Write ``tensors`` as ``version`` into the free slot; returns the ticket for receivers."""
+        start = time.perf_counter()
+        slot = self._next
+        old = int(self.header[slot])
+        if old >= 0:
+            self._await_release(old)
+        self.layout.check(tensors)
+        copy_into(self.views[slot], tensors)
+        self.header[slot] = version
+        self._next = 1 - slot
+        stall = time.perf_counter() - start
+        return Ticket(self.kind, self.shard, version, slot, stall, self.layout.nbytes)
+
+    def _await_release(self, old: int) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            holding = [
+                (i, name)
+                for i, name in enumerate(self.receivers)
+                if name not in self.lost and int(self.header[2 + i]) == old
+            ]
+            if not holding:
+                return
+            if time.monotonic() > deadline:
+                for i, name in holding:
+                    self.lost[name] = (
+                        f"still served version {old} after {self.timeout_s:g} s, "
+                        "blocking the slot of the next version"
+                    )
+                    self.header[2 + i] = EVICTED
+                names = [n for _, n in holding]
+                warnings.warn(f"weight sync: lost receivers {names}", stacklevel=3)
+                return
+            time.sleep(POLL_S)
+
+    def finish(self, timeout_s: float | None = None) -> dict[str, str]:
+        """Nothing is in flight after ``publish``; returns the receivers lost so far."""
+        return dict(self.lost)
+
+    def close(self) -> None:
+        """Remove the shared-memory files (mappings stay valid until dropped)."""
+        for path in self.paths:
+            if os.path.exists(path):
+                os.unlink(path)
+
+
+class Receiver(ReceiverBase):
+    """The receiver side: binds the model to the trainer's slot, or copies it when casting."""
+
+    kind = "shm"
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        addresses: Sequence[dict[str, Any]],
+        name: str,
+        *,
+        precision: str | None = None,
+        timeout_s: float = 60.0,
+    ):
+        addresses = sorted(addresses, key=lambda a: a["shard"])
+        self.maps = [
+            [_map(p, a["layout"].nbytes, create=False) for p in a["paths"][:2]] for a in addresses
+        ]
+        self.headers = [
+            _map(a["paths"][2], 8 * (2 + len(a["receivers"])), create=False).view(torch.int64)
+            for a in addresses
+        ]
+        for a in addresses:
+            if name not in a["receivers"]:
+                raise ValueError(f"receiver {name!r} is not among the publisher's {a['receivers']}")
+        self.index = [a["receivers"].index(name) for a in addresses]
+        dtype = precision_dtype(precision)
+        self.zero_copy = all(a["layout"].astype(dtype) == a["layout"] for a in addresses)
+        external = [[m[i] for m in self.maps] for i in range(2)] if self.zero_copy else None
+        super().__init__(
+            model,
+            addresses,
+            name,
+            precision=precision,
+            timeout_s=timeout_s,
+            external_slots=external,
+        )
+        self.wire_views = [
+            [a["layout"].views(m) for m in maps]
+            for a, maps in zip(self.addresses, self.maps, strict=True)
+        ]
+
+    def receive(self, tickets: Sequence[Ticket]) -> ReceiveStats:
+        """Serve the tickets' version: swap to its slot (zero-copy) or copy it in, then ack."""
+        version = self._check(tickets)
+        tickets = sorted(tickets, key=lambda t: t.shard)
+        for header, index, ticket in zip(self.headers, self.index, tickets, strict=True):
+            if int(header[2 + index]) == EVICTED:
+                raise ReceiverLost(self.name, "evicted by the publisher after a timeout")
+            if int(header[ticket.payload]) != version:
+                raise RuntimeError(
+                    f"receiver {self.name!r}: slot {ticket.payload} of shard {ticket.shard} holds "
+                    f"version {int(header[ticket.payload])}, not {version}: the ticket is stale"
+                )
+        if self.zero_copy:
+            if len({t.payload for t in tickets}) != 1:
+                raise RuntimeError(f"receiver {self.name!r}: shards published into different slots")
+            stats = self._timed(lambda: None, tickets[0].payload, version)
+        else:
+            slot = self.state.staging()
+
+            def fetch() -> None:
+                for views, ticket in zip(self.wire_views, tickets, strict=True):
+                    copy_into(self.state.views[slot], views[ticket.payload])
+
+            stats = self._timed(fetch, slot, version)
+        for header, index in zip(self.headers, self.index, strict=True):
+            header[2 + index] = version
+        return stats
