@@ -4,6 +4,7 @@ request after max_wait, and swaps weights only between forward passes."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import random
 import sys
 import threading
@@ -229,3 +230,37 @@ def test_bad_arguments_are_named():
     service = InferenceService(EncodingPolicy(), version=3)
     with pytest.raises(ValueError, match="version must not go backwards: got 2, have 3"):
         asyncio.run(service.set_weights({"scale": torch.tensor(1.0)}, 2))
+
+
+def test_the_vla_policy_plugs_in():
+    from relayrl.models.vla import VLAConfig, VLAPolicy
+
+    cfg = VLAConfig(image_size=16, views=2, d_model=16, layers=1, heads=2, channels=8)
+    torch.manual_seed(0)
+    policy, other = VLAPolicy(cfg), VLAPolicy(cfg)
+    original = copy.deepcopy(policy)  # the service loads other's weights into policy
+    rng = np.random.default_rng(0)
+    observations = [
+        Observation(rng.integers(0, 256, (2, 16, 16, 3), np.uint8), "go to the red ball", "t", s)
+        for s in range(5)
+    ]
+
+    def direct(model: VLAPolicy) -> tuple:
+        images = torch.from_numpy(np.stack([o.image for o in observations]))
+        steps = torch.arange(5)
+        return model.act(images, [o.instruction for o in observations], steps, greedy=True)
+
+    async def main():
+        service = InferenceService(policy, max_batch=4, max_wait_ms=5)
+        sampled = await asyncio.gather(*(service.act(o) for o in observations))
+        before = await service.act_batch(observations, greedy=True)
+        await service.set_weights(other.state_dict(), version=1)
+        return sampled, before, await service.act_batch(observations, greedy=True)
+
+    sampled, before, after = asyncio.run(main())
+    assert all(r.actions.shape == (1,) and r.logprobs[0] <= 0 for r in sampled)
+    for replies, model, version in ((before, original, 0), (after, other, 1)):
+        actions, logprobs, values = direct(model)
+        assert [r.version for r in replies] == [version] * 5
+        assert np.array_equal(np.stack([r.actions for r in replies]), actions.numpy())
+        np.testing.assert_allclose([r.value for r in replies], values.numpy(), atol=1e-5)

@@ -1,0 +1,335 @@
+"""Rollout worker: steps one environment and cuts its episodes into trajectory segments.
+
+The worker never runs the policy: it asks a service for each action (``run``, async mode) or is
+handed actions by the controller (``observe`` / ``step``, lockstep mode). A segment ends when the
+episode ends or after ``segment_len`` steps; a longer episode is emitted in pieces whose images
+overlap by one observation (the last image of a piece is the first of the next).
+
+An environment that raises in ``reset`` or ``step`` does not stop the worker: the episode ends, the
+steps of its unfinished segment are counted as ``dropped_error_steps``, the env is closed and built
+anew, and the worker carries on. Every env step is accounted for:
+``env_steps == segment_steps + dropped_error_steps + open_steps``.
+
+As a Ray actor, create it with ``max_concurrency=2`` so that ``stop``, ``stats`` and
+``episode_results`` can be called while ``run`` loops.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from relayrl.envs.embodied import EmbodiedEnv, Observation, StepResult
+from relayrl.executors.inference_service import ActReply
+from relayrl.types import Segment
+
+
+@dataclass
+class EpisodeResult:
+    """How one finished episode went (per-task success rates and DWR weights use these)."""
+
+    worker: int
+    episode: int
+    task: str
+    success: bool
+    episode_return: float  # sum of rewards
+    length: int  # env steps
+
+
+@dataclass
+class _OpenSegment:
+    """A segment being filled; ``images`` and ``steps`` always hold one entry more than actions."""
+
+    images: list[np.ndarray]
+    steps: list[int]
+    actions: list[np.ndarray] = field(default_factory=list)
+    logprobs: list[np.ndarray] = field(default_factory=list)
+    values: list[float] = field(default_factory=list)
+    rewards: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+
+    @classmethod
+    def starting_at(cls, obs: Observation) -> _OpenSegment:
+        return cls(images=[_copy_image(obs)], steps=[obs.step])
+
+
+class RolloutWorker:
+    """One environment, stepped in lockstep by a controller or in its own loop by ``run``.
+
+    ``worker_id`` tags the segments and results. ``make_env`` builds the environment (again after a
+    crash). ``segment_len`` is the most steps in one segment (L). ``seed`` seeds the stream of
+    per-episode reset seeds; give each worker its own. ``task_sampler`` picks the task at each
+    reset (None lets the env choose its first task); DWR plugs in here. After
+    ``max_consecutive_errors`` env errors with no successful step in between the worker gives up
+    and raises, since the env is broken rather than flaky. The last ``errors_kept`` error messages
+    are kept for ``stats``; up to ``results_kept`` undrained episode results are kept.
+    """
+
+    name = "rollout_worker"
+
+    def __init__(
+        self,
+        worker_id: int,
+        make_env: Callable[[], EmbodiedEnv],
+        *,
+        segment_len: int,
+        seed: int,
+        task_sampler: Callable[[], str] | None = None,
+        max_consecutive_errors: int = 10,
+        errors_kept: int = 5,
+        results_kept: int = 10_000,
+    ):
+        if segment_len < 1:
+            raise ValueError(f"segment_len must be >= 1, got {segment_len}")
+        if max_consecutive_errors < 1:
+            raise ValueError(f"max_consecutive_errors must be >= 1, got {max_consecutive_errors}")
+        self.worker_id = worker_id
+        self.make_env = make_env
+        self.segment_len = segment_len
+        self.task_sampler = task_sampler
+        self.max_consecutive_errors = max_consecutive_errors
+        self.env = make_env()
+        self._rng = random.Random(seed)
+        self._obs: Observation | None = None  # None: the next observe() resets
+        self._open: _OpenSegment | None = None
+        self._episode = -1
+        self._task = ""
+        self._instruction = ""
+        self._return = 0.0
+        self._length = 0
+        self._consecutive_errors = 0
+        self._stop = threading.Event()
+        # Guards what readers on other threads (a threaded Ray actor) copy while ``run`` writes.
+        self._lock = threading.Lock()
+        self._results: deque[EpisodeResult] = deque(maxlen=results_kept)
+        self._errors: deque[str] = deque(maxlen=errors_kept)
+        self._tasks: dict[str, dict[str, int]] = {}
+        self._counts = {
+            "env_steps": 0,
+            "segments": 0,
+            "segment_steps": 0,
+            "episodes": 0,
+            "env_errors": 0,
+            "dropped_error_steps": 0,
+        }
+        self._busy_s = 0.0
+        self._wait_s = 0.0
+
+    def observe(self) -> Observation:
+        """The observation to act on, starting a new episode first if the last one ended."""
+        while self._obs is None:
+            self._reset()
+        return self._obs
+
+    def step(
+        self, action_tokens: np.ndarray, logprobs: np.ndarray, value: float, version: int
+    ) -> list[Segment]:
+        """Apply the policy's answer to the current observation; returns the segments that closed
+        on this step (none or one).
+
+        ``action_tokens`` int [D] and ``logprobs`` float [D] are the action tokens and their
+        behaviour log-probs, ``value`` the behaviour value estimate, ``version`` the policy version
+        that chose them. If the env raises, the error is contained and nothing is returned.
+        """
+        if self._obs is None:
+            raise RuntimeError("step() needs an observation to act on: call observe() first")
+        space = self.env.action_space
+        tokens = np.asarray(action_tokens, dtype=np.int64)
+        logp = np.asarray(logprobs, dtype=np.float32)
+        if tokens.shape != (space.dims,) or logp.shape != (space.dims,):
+            raise ValueError(
+                f"action_tokens {tokens.shape} and logprobs {logp.shape} must both have shape "
+                f"({space.dims},): one token per action dimension"
+            )
+        start = time.perf_counter()
+        try:
+            result = self.env.step(space.to_env(tokens))
+        except Exception as err:  # crash containment: the worker outlives its env
+            self._on_env_error(err, "step")
+            return []
+        finally:
+            self._busy_s += time.perf_counter() - start
+        self._counts["env_steps"] += 1
+        self._consecutive_errors = 0
+        seg = self._open
+        seg.actions.append(tokens)
+        seg.logprobs.append(logp)
+        seg.values.append(float(value))
+        seg.rewards.append(float(result.reward))
+        seg.versions.append(int(version))
+        seg.images.append(_copy_image(result.obs))
+        seg.steps.append(result.obs.step)
+        self._return += float(result.reward)
+        self._length += 1
+        done = result.terminated or result.truncated
+        closed = []
+        if done or len(seg.actions) == self.segment_len:
+            closed.append(self._close_segment(seg, result, done))
+            self._open = None if done else _OpenSegment.starting_at(result.obs)
+        if done:
+            self._finish_episode(result.success)
+        else:
+            self._obs = result.obs
+        return closed
+
+    def run(
+        self,
+        service: Callable[[Observation], ActReply],
+        sink: Callable[[Segment], object],
+        *,
+        max_segments: int | None = None,
+    ) -> int:
+        """Observe, ask ``service`` for an action, step, hand each closed segment to ``sink``;
+        until ``stop()`` or ``max_segments`` segments (None: no limit). Returns segments emitted.
+
+        ``service`` maps an observation to an ``ActReply`` (a Ray inference-service handle wrapped
+        in a function, or an in-process callable); ``sink`` takes a segment (e.g. puts it into the
+        replay buffer). Their errors are not contained: they propagate out of ``run``. An unfinished
+        segment stays open and continues at the next ``run`` or ``step``.
+        """
+        emitted = 0
+        try:
+            while not self._stop.is_set() and (max_segments is None or emitted < max_segments):
+                obs = self.observe()
+                start = time.perf_counter()
+                reply = service(obs)
+                self._wait_s += time.perf_counter() - start
+                for segment in self.step(reply.actions, reply.logprobs, reply.value, reply.version):
+                    sink(segment)
+                    emitted += 1
+        finally:
+            self._stop.clear()
+        return emitted
+
+    def stop(self) -> None:
+        """Make ``run`` return after the step in progress (a stop before ``run`` ends the next
+        ``run`` at once)."""
+        self._stop.set()
+
+    def episode_results(self) -> list[EpisodeResult]:
+        """Episode results since the last call (oldest first), removing them from the worker."""
+        with self._lock:
+            results = list(self._results)
+            self._results.clear()
+        return results
+
+    def stats(self) -> dict:
+        """Counters since the start: env steps, segments and their steps, episodes, per-task
+        episodes and successes, env errors and the steps they cost, recent error messages, steps
+        of the open segment, busy seconds (in env reset/step) and wait seconds (on the service)."""
+        with self._lock:
+            return {
+                **self._counts,
+                "open_steps": len(self._open.actions) if self._open is not None else 0,
+                "tasks": {task: dict(counts) for task, counts in self._tasks.items()},
+                "last_errors": list(self._errors),
+                "busy_s": self._busy_s,
+                "wait_s": self._wait_s,
+            }
+
+    def state_dict(self) -> dict:
+        """Counters, the episode count and the reset-seed stream. The env and the open segment are
+        not saved: a restored worker starts a fresh episode, and its books leave out the steps of
+        the segment that was open (they were never emitted in that timeline)."""
+        with self._lock:
+            open_steps = len(self._open.actions) if self._open is not None else 0
+            return {
+                "counts": self._counts | {"env_steps": self._counts["env_steps"] - open_steps},
+                "tasks": {task: dict(counts) for task, counts in self._tasks.items()},
+                "episode": self._episode,
+                "rng": self._rng.getstate(),
+            }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what ``state_dict`` saved and drop the episode in progress (it was not saved)."""
+        with self._lock:
+            self._counts = dict(state["counts"])
+            self._tasks = {task: dict(counts) for task, counts in state["tasks"].items()}
+            self._episode = state["episode"]
+            self._rng.setstate(state["rng"])
+            self._obs = None
+            self._open = None
+
+    def close(self) -> None:
+        """Release the environment."""
+        self.env.close()
+
+    def _reset(self) -> None:
+        task = self.task_sampler() if self.task_sampler is not None else None
+        start = time.perf_counter()
+        try:
+            obs = self.env.reset(task=task, seed=self._rng.randrange(2**31))
+        except Exception as err:  # crash containment, as in step
+            self._on_env_error(err, "reset")
+            return
+        finally:
+            self._busy_s += time.perf_counter() - start
+        self._episode += 1
+        self._task, self._instruction = obs.task, obs.instruction
+        self._return, self._length = 0.0, 0
+        self._obs = obs
+        self._open = _OpenSegment.starting_at(obs)
+
+    def _close_segment(self, seg: _OpenSegment, result: StepResult, done: bool) -> Segment:
+        self._counts["segments"] += 1
+        self._counts["segment_steps"] += len(seg.actions)
+        return Segment(
+            worker=self.worker_id,
+            episode=self._episode,
+            task=self._task,
+            instruction=self._instruction,
+            images=np.stack(seg.images),
+            steps=np.asarray(seg.steps, dtype=np.int64),
+            actions=np.stack(seg.actions),
+            logprobs=np.stack(seg.logprobs),
+            values=np.asarray(seg.values, dtype=np.float32),
+            rewards=np.asarray(seg.rewards, dtype=np.float32),
+            versions=np.asarray(seg.versions, dtype=np.int64),
+            terminated=done and result.terminated,
+            episode_done=done,
+            success=done and result.success,
+        )
+
+    def _finish_episode(self, success: bool) -> None:
+        with self._lock:
+            self._counts["episodes"] += 1
+            per_task = self._tasks.setdefault(self._task, {"episodes": 0, "successes": 0})
+            per_task["episodes"] += 1
+            per_task["successes"] += int(success)
+            self._results.append(
+                EpisodeResult(
+                    self.worker_id, self._episode, self._task, success, self._return, self._length
+                )
+            )
+        self._obs = None
+
+    def _on_env_error(self, err: Exception, where: str) -> None:
+        """End the episode, count the steps of its unfinished segment, rebuild the env."""
+        with self._lock:
+            self._counts["env_errors"] += 1
+            if self._open is not None:
+                self._counts["dropped_error_steps"] += len(self._open.actions)
+            self._errors.append(f"{where}: {type(err).__name__}: {err}")
+        self._open = None
+        self._obs = None
+        self._consecutive_errors += 1
+        with contextlib.suppress(Exception):  # a crashed simulator may fail to close too
+            self.env.close()
+        if self._consecutive_errors >= self.max_consecutive_errors:
+            raise RuntimeError(
+                f"rollout worker {self.worker_id}: {self._consecutive_errors} env errors in a row "
+                f"(max_consecutive_errors={self.max_consecutive_errors}); last: {where}: {err!r}"
+            ) from err
+        self.env = self.make_env()
+
+
+def _copy_image(obs: Observation) -> np.ndarray:
+    # Some simulators render into one reused buffer; a segment must keep each frame.
+    return np.array(obs.image, dtype=np.uint8, copy=True)

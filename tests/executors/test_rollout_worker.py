@@ -1,0 +1,242 @@
+"""Rollout worker: segmentation of episodes, crash containment with step accounting, the async run
+loop, and a run end to end through the inference service into the replay buffer."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from relayrl.envs.embodied import ActionSpace, Observation, StepResult
+from relayrl.executors.inference_service import ActReply, InferenceService
+from relayrl.executors.replay_buffer import ReplayBuffer
+from relayrl.executors.rollout_worker import EpisodeResult, RolloutWorker
+
+
+class ScriptedEnv:
+    """Episodes of ``length`` steps; the image at step t is filled with 10 * t; the reward is the
+    action; task "a" succeeds, any other fails. ``fail_step`` / ``fail_reset`` list the calls
+    (1-based, counted per env) that raise."""
+
+    action_space = ActionSpace("discrete", 4)
+    tasks = ("a", "b")
+
+    def __init__(self, length=7, truncate=False, fail_step=(), fail_reset=()):
+        self.length, self.truncate = length, truncate
+        self.fail_step, self.fail_reset = set(fail_step), set(fail_reset)
+        self.step_calls = self.reset_calls = 0
+        self.closed = False
+        self.seeds: list[int] = []
+
+    def reset(self, *, task=None, seed=None):
+        self.reset_calls += 1
+        if self.reset_calls in self.fail_reset:
+            raise RuntimeError("reset crashed")
+        self.task, self.t = task or self.tasks[0], 0
+        self.seeds.append(seed)
+        return self._obs()
+
+    def step(self, action):
+        self.step_calls += 1
+        if self.step_calls in self.fail_step:
+            raise RuntimeError(f"sim crashed at call {self.step_calls}")
+        self.t += 1
+        done = self.t == self.length
+        return StepResult(
+            self._obs(),
+            reward=float(action),
+            terminated=done and not self.truncate,
+            truncated=done and self.truncate,
+            success=done and self.task == "a",
+        )
+
+    def close(self):
+        self.closed = True
+
+    def _obs(self):
+        image = np.full((1, 2, 2, 3), 10 * self.t, np.uint8)
+        return Observation(image, f"do {self.task}", self.task, self.t)
+
+
+class Factory:
+    """Builds envs from a list of keyword sets (the last one repeats) and keeps them."""
+
+    def __init__(self, *kwargs):
+        self.kwargs, self.built = list(kwargs) or [{}], []
+
+    def __call__(self):
+        self.built.append(ScriptedEnv(**self.kwargs[min(len(self.built), len(self.kwargs) - 1)]))
+        return self.built[-1]
+
+
+def drive(worker: RolloutWorker, steps: int, version: int = 0) -> list:
+    """Lockstep: the action is the step index mod 4, mu = -step / 100, value = step."""
+    out = []
+    for _ in range(steps):
+        obs = worker.observe()
+        out += worker.step(np.array([obs.step % 4]), np.array([-obs.step / 100]), obs.step, version)
+    return out
+
+
+def pixels(seg) -> list[int]:
+    return seg.images[:, 0, 0, 0, 0].tolist()
+
+
+def test_an_episode_of_7_steps_with_l_3_is_cut_into_3_3_1():
+    worker = RolloutWorker(2, Factory(), segment_len=3, seed=0)
+    segs = drive(worker, 7, version=5)
+    assert [len(s) for s in segs] == [3, 3, 1]
+    assert [(s.terminated, s.episode_done, s.success) for s in segs] == [
+        (False, False, False),
+        (False, False, False),
+        (True, True, True),
+    ]
+    assert [pixels(s) for s in segs] == [[0, 10, 20, 30], [30, 40, 50, 60], [60, 70]]
+    assert [s.steps.tolist() for s in segs] == [[0, 1, 2, 3], [3, 4, 5, 6], [6, 7]]
+    assert [s.actions[:, 0].tolist() for s in segs] == [[0, 1, 2], [3, 0, 1], [2]]
+    assert segs[1].rewards.tolist() == [3.0, 0.0, 1.0]
+    np.testing.assert_allclose(segs[1].logprobs[:, 0], [-0.03, -0.04, -0.05])
+    assert segs[1].values.tolist() == [3.0, 4.0, 5.0]
+    assert all(s.versions.tolist() == [5] * len(s) for s in segs)
+    assert {(s.worker, s.episode, s.task, s.instruction) for s in segs} == {(2, 0, "a", "do a")}
+    assert worker.episode_results() == [EpisodeResult(2, 0, "a", True, 9.0, 7)]
+    assert worker.episode_results() == []  # drained
+    assert worker.observe().step == 0  # the next call starts episode 1
+    stats = worker.stats()
+    assert (stats["env_steps"], stats["segments"], stats["segment_steps"]) == (7, 3, 7)
+    assert stats["tasks"] == {"a": {"episodes": 1, "successes": 1}}
+
+
+def test_a_truncated_episode_ends_its_last_segment_without_terminated():
+    worker = RolloutWorker(0, Factory({"length": 3, "truncate": True}), segment_len=3, seed=0)
+    (seg,) = drive(worker, 3)
+    assert (seg.terminated, seg.episode_done, seg.success) == (False, True, True)
+
+
+def test_env_crashes_are_contained_counted_and_the_env_rebuilt():
+    # The first env raises at its 5th step; its replacement fails its first reset.
+    factory = Factory({"fail_step": [5]}, {"fail_reset": [1]}, {})
+    worker = RolloutWorker(0, factory, segment_len=3, seed=0)
+    segs = drive(worker, 5)  # steps 1-3 make a segment, step 4 opens one, step 5 crashes
+    assert [len(s) for s in segs] == [3]
+    stats = worker.stats()
+    assert (stats["env_steps"], stats["env_errors"], stats["dropped_error_steps"]) == (4, 1, 1)
+    assert stats["last_errors"] == ["step: RuntimeError: sim crashed at call 5"]
+    assert factory.built[0].closed and len(factory.built) == 2
+    segs = drive(worker, 7)  # the reset crash costs a rebuild, then a whole episode runs
+    assert [len(s) for s in segs] == [3, 3, 1] and segs[0].steps[0] == 0
+    stats = worker.stats()
+    assert len(factory.built) == 3 and stats["env_errors"] == 2
+    assert stats["last_errors"][-1] == "reset: RuntimeError: reset crashed"
+    assert stats["env_steps"] == 11
+    assert stats["env_steps"] == stats["segment_steps"] + stats["dropped_error_steps"]
+    assert stats["episodes"] == 1  # a crashed episode has no result
+
+
+def test_step_accounting_holds_with_crashes_at_random_steps():
+    rng = np.random.default_rng(0)
+    fails = [{"fail_step": [int(rng.integers(1, 15))]} for _ in range(20)]
+    worker = RolloutWorker(0, Factory(*fails), segment_len=4, seed=0)
+    drive(worker, 120)
+    stats = worker.stats()
+    assert stats["env_errors"] > 0 and stats["dropped_error_steps"] > 0
+    emitted = stats["segment_steps"] + stats["dropped_error_steps"] + stats["open_steps"]
+    assert stats["env_steps"] == emitted
+
+
+def test_a_broken_env_makes_the_worker_give_up():
+    worker = RolloutWorker(
+        0, Factory({"fail_reset": [1]}), segment_len=3, seed=0, max_consecutive_errors=3
+    )
+    with pytest.raises(RuntimeError, match="3 env errors in a row"):
+        worker.observe()
+
+
+def test_the_task_sampler_picks_the_task_at_each_reset():
+    tasks = itertools.cycle(["a", "b"])
+    worker = RolloutWorker(
+        0, Factory({"length": 2}), segment_len=5, seed=0, task_sampler=lambda: next(tasks)
+    )
+    segs = drive(worker, 8)
+    assert [s.task for s in segs] == ["a", "b", "a", "b"]
+    assert worker.stats()["tasks"] == {
+        "a": {"episodes": 2, "successes": 2},
+        "b": {"episodes": 2, "successes": 0},
+    }
+
+
+def test_run_loops_until_max_segments_or_stop():
+    def service(obs: Observation) -> ActReply:
+        return ActReply(np.array([1]), np.array([-0.5], np.float32), 0.25, version=3)
+
+    worker = RolloutWorker(0, Factory(), segment_len=3, seed=0)
+    segments: list = []
+    assert worker.run(service, segments.append, max_segments=5) == 5
+    assert [len(s) for s in segments] == [3, 3, 1, 3, 3]
+    assert all(s.versions.tolist() == [3] * len(s) for s in segments)
+    assert worker.stats()["open_steps"] == 0
+
+    def sink(segment) -> None:
+        segments.append(segment)
+        if len(segments) == 7:
+            worker.stop()
+
+    assert worker.run(service, sink) == 2
+
+
+def test_state_dict_keeps_the_books_of_emitted_steps():
+    worker = RolloutWorker(0, Factory(), segment_len=3, seed=0)
+    drive(worker, 5)  # one segment of 3 emitted, 2 steps open
+    restored = RolloutWorker(0, Factory(), segment_len=3, seed=1)
+    restored.load_state_dict(worker.state_dict())
+    stats = restored.stats()
+    assert (stats["env_steps"], stats["segment_steps"], stats["open_steps"]) == (3, 3, 0)
+    assert restored.observe().step == 0
+
+
+class PixelPolicy(torch.nn.Module):
+    """action = mean pixel // 10 mod 4, mu = -1, value = step: every answer can be checked."""
+
+    def __init__(self):
+        super().__init__()
+        self.unused = torch.nn.Parameter(torch.zeros(1))
+
+    def act(self, images, instructions, steps, *, greedy=False):
+        actions = (images.float().mean(dim=(1, 2, 3, 4)) / 10).long().remainder(4)[:, None]
+        return actions, torch.full(actions.shape, -1.0), steps.float()
+
+
+def test_workers_run_through_the_inference_service_into_the_replay_buffer():
+    loop = asyncio.new_event_loop()
+    loop_thread = threading.Thread(target=loop.run_forever, daemon=True)
+    loop_thread.start()
+    service = InferenceService(PixelPolicy(), max_batch=3, max_wait_ms=5)
+
+    def act(obs: Observation) -> ActReply:
+        return asyncio.run_coroutine_threadsafe(service.act(obs), loop).result(timeout=30)
+
+    buffer = ReplayBuffer(1000, max_staleness=None)
+    workers = [RolloutWorker(i, Factory(), segment_len=3, seed=i) for i in range(3)]
+    threads = [
+        threading.Thread(target=w.run, args=(act, buffer.put), kwargs={"max_segments": 6})
+        for w in workers
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    stats = asyncio.run_coroutine_threadsafe(service.stats(), loop).result(timeout=30)
+    asyncio.run_coroutine_threadsafe(service.close(), loop).result(timeout=30)
+    loop.call_soon_threadsafe(loop.stop)
+    loop_thread.join(10)
+    segments = buffer.get(min_steps=buffer.stats()["resident_steps"], trainer_version=0)
+    assert len(segments) == 18 and {s.worker for s in segments} == {0, 1, 2}
+    for seg in segments:
+        assert seg.actions[:, 0].tolist() == [p // 10 % 4 for p in pixels(seg)[:-1]]
+        assert seg.values.tolist() == seg.steps[:-1].tolist()
+    assert stats["requests"] == sum(w.stats()["env_steps"] for w in workers)
+    assert sum(w.stats()["wait_s"] for w in workers) > 0
