@@ -1,12 +1,12 @@
 """Inference service: dynamic batching answers every request with its own result, flushes a lone
-request after max_wait, and swaps weights only between forward passes."""
+request after max_wait, and swaps weights only between forward passes. Concurrent callers from
+other Ray actors: tests/executors/test_rollout_worker.py."""
 
 from __future__ import annotations
 
 import asyncio
 import copy
 import random
-import sys
 import threading
 
 import numpy as np
@@ -90,35 +90,6 @@ def test_concurrent_callers_get_their_own_answers_in_batches_of_at_most_max_batc
     assert sum(sizes.values()) == stats["forwards"]
     assert max(sizes) == 4  # ten callers arrive together: the first batch is full
     assert all(1 <= size <= 4 for size in sizes)
-
-
-def test_concurrent_ray_actor_callers(ray_session):
-    ray = ray_session
-    # The fake policy and the caller live in this test module, which Ray's workers cannot import.
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-
-    @ray.remote(num_cpus=0)
-    class Caller:
-        def run(self, service, caller: int) -> list:
-            refs = [service.act.remote(obs(10 * caller + j, caller)) for j in range(8)]
-            return [(r, 10 * caller + j, caller) for j, r in enumerate(ray.get(refs))]
-
-    service = ray.remote(num_cpus=0)(InferenceService).remote(
-        EncodingPolicy(), max_batch=4, max_wait_ms=50
-    )
-    caller = Caller.remote()
-    # Two processes call at once: the caller actor and this driver.
-    remote_results = caller.run.remote(service, 1)
-    local_refs = [service.act.remote(obs(j, 0)) for j in range(8)]
-    results = [[(r, j, 0) for j, r in enumerate(ray.get(local_refs))], ray.get(remote_results)]
-    stats = ray.get(service.stats.remote())
-    for reply, pixel, step in (r for rs in results for r in rs):
-        check(reply, pixel, step)
-    sizes = stats["batch_sizes"]
-    assert stats["requests"] == 16
-    assert max(sizes) > 1 and max(sizes) <= 4
-    for handle in (service, caller):
-        ray.kill(handle)
 
 
 def test_a_lone_request_is_flushed_after_max_wait():

@@ -1,5 +1,6 @@
 """Replay buffer: FIFO super-batches, overflow and staleness drops, the books of every env step
-(against a naive reference), blocking reads that never block writers; the prefetcher overlaps."""
+(against a naive reference), blocking reads that never block writers; the prefetcher overlaps.
+As a threaded Ray actor: tests/executors/test_rollout_worker.py."""
 
 from __future__ import annotations
 
@@ -164,16 +165,6 @@ def test_close_wakes_a_waiting_reader():
     buf.close()
     reader.join(10)
     assert len(errors) == 1
-
-
-def test_as_a_threaded_ray_actor_a_waiting_get_does_not_block_put(ray_session):
-    ray = ray_session
-    buf = ray.remote(num_cpus=0, max_concurrency=4)(ReplayBuffer).remote(10, max_staleness=None)
-    batch_ref = buf.get.remote(3, 0, timeout_s=30)
-    ray.get([buf.put.remote(segment(i, [0])) for i in range(3)], timeout=30)
-    # A threaded actor runs the three puts concurrently, in any order.
-    assert sorted(ids(ray.get(batch_ref, timeout=30))) == [0, 1, 2]
-    ray.kill(buf)
 
 
 def test_bad_arguments_are_named():

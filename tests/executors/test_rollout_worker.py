@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import sys
 import threading
 
 import numpy as np
@@ -18,15 +19,16 @@ from relayrl.executors.rollout_worker import EpisodeResult, RolloutWorker
 
 
 class ScriptedEnv:
-    """Episodes of ``length`` steps; the image at step t is filled with 10 * t; the reward is the
+    """Episodes of ``length`` steps; the image at step t is filled with 10 * t + ``offset``; the
+    reward is the
     action; task "a" succeeds, any other fails. ``fail_step`` / ``fail_reset`` list the calls
     (1-based, counted per env) that raise."""
 
     action_space = ActionSpace("discrete", 4)
     tasks = ("a", "b")
 
-    def __init__(self, length=7, truncate=False, fail_step=(), fail_reset=()):
-        self.length, self.truncate = length, truncate
+    def __init__(self, length=7, truncate=False, fail_step=(), fail_reset=(), offset=0):
+        self.length, self.truncate, self.offset = length, truncate, offset
         self.fail_step, self.fail_reset = set(fail_step), set(fail_reset)
         self.step_calls = self.reset_calls = 0
         self.closed = False
@@ -58,7 +60,7 @@ class ScriptedEnv:
         self.closed = True
 
     def _obs(self):
-        image = np.full((1, 2, 2, 3), 10 * self.t, np.uint8)
+        image = np.full((1, 2, 2, 3), 10 * self.t + self.offset, np.uint8)
         return Observation(image, f"do {self.task}", self.task, self.t)
 
 
@@ -199,7 +201,7 @@ def test_state_dict_keeps_the_books_of_emitted_steps():
 
 
 class PixelPolicy(torch.nn.Module):
-    """action = mean pixel // 10 mod 4, mu = -1, value = step: every answer can be checked."""
+    """action = mean pixel // 10 mod 4, mu = -1, value = mean pixel: every answer can be checked."""
 
     def __init__(self):
         super().__init__()
@@ -207,7 +209,7 @@ class PixelPolicy(torch.nn.Module):
 
     def act(self, images, instructions, steps, *, greedy=False):
         actions = (images.float().mean(dim=(1, 2, 3, 4)) / 10).long().remainder(4)[:, None]
-        return actions, torch.full(actions.shape, -1.0), steps.float()
+        return actions, torch.full(actions.shape, -1.0), images.float().mean(dim=(1, 2, 3, 4))
 
 
 def test_workers_run_through_the_inference_service_into_the_replay_buffer():
@@ -237,6 +239,57 @@ def test_workers_run_through_the_inference_service_into_the_replay_buffer():
     assert len(segments) == 18 and {s.worker for s in segments} == {0, 1, 2}
     for seg in segments:
         assert seg.actions[:, 0].tolist() == [p // 10 % 4 for p in pixels(seg)[:-1]]
-        assert seg.values.tolist() == seg.steps[:-1].tolist()
+        assert seg.values.tolist() == pixels(seg)[:-1]
     assert stats["requests"] == sum(w.stats()["env_steps"] for w in workers)
     assert sum(w.stats()["wait_s"] for w in workers) > 0
+
+
+class RemoteService:
+    """What the controller hands a worker actor: the service actor behind a plain callable."""
+
+    def __init__(self, handle):
+        self.handle = handle
+
+    def __call__(self, obs: Observation) -> ActReply:
+        import ray
+
+        return ray.get(self.handle.act.remote(obs))
+
+
+class RemoteSink:
+    def __init__(self, handle):
+        self.handle = handle
+
+    def __call__(self, segment) -> None:
+        import ray
+
+        ray.get(self.handle.put.remote(segment))
+
+
+def test_as_ray_actors_workers_stream_through_the_service_into_the_buffer(ray_session):
+    ray = ray_session
+    # The policy, env and wrappers live in this test module, which Ray's workers cannot import.
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    actor = ray.remote(num_cpus=0)
+    service = actor(InferenceService).remote(PixelPolicy(), max_batch=2, max_wait_ms=20)
+    # Threaded: the trainer's blocking get must not block the workers' puts.
+    buffer = actor(ReplayBuffer).options(max_concurrency=4).remote(10_000, max_staleness=None)
+    workers = [
+        actor(RolloutWorker)
+        .options(max_concurrency=2)  # stop() and stats() are served while run() loops
+        .remote(i, Factory({"offset": 5 * i}), segment_len=3, seed=i)
+        for i in range(2)
+    ]
+    runs = [w.run.remote(RemoteService(service), RemoteSink(buffer)) for w in workers]
+    segments = ray.get(buffer.get.remote(40, trainer_version=0, timeout_s=60), timeout=90)
+    ray.get([w.stop.remote() for w in workers], timeout=30)
+    emitted = ray.get(runs, timeout=30)
+    for seg in segments:  # a reply sent to the wrong worker would break these
+        assert seg.values.tolist() == pixels(seg)[:-1]
+        assert all(p % 10 == 5 * seg.worker for p in pixels(seg))
+    assert sum(len(s) for s in segments) >= 40
+    assert ray.get(buffer.stats.remote())["put_segments"] == sum(emitted)
+    batch_sizes = ray.get(service.stats.remote())["batch_sizes"]
+    assert max(batch_sizes) == 2  # the two workers' requests shared forward passes
+    for handle in (service, buffer, *workers):
+        ray.kill(handle)
