@@ -195,6 +195,21 @@ def test_a_failing_forward_fails_its_requests_and_the_service_keeps_serving():
     check(asyncio.run(main()), 2, 2)
 
 
+def test_close_fails_the_request_in_flight_and_the_waiting_ones():
+    policy = GatedPolicy()
+
+    async def main():
+        service = InferenceService(policy, max_batch=1, max_wait_ms=0)
+        calls = [asyncio.create_task(service.act(obs(p, 0))) for p in (1, 2)]
+        assert await asyncio.to_thread(policy.started.wait, 10)
+        await service.close()
+        policy.release.set()
+        return await asyncio.gather(*calls, return_exceptions=True)
+
+    for result in asyncio.run(main()):
+        assert isinstance(result, RuntimeError) and str(result) == "inference service closed"
+
+
 def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="max_batch must be >= 1, got 0"):
         InferenceService(EncodingPolicy(), max_batch=0)

@@ -108,7 +108,7 @@ class InferenceService:
         self._reset_counters()
 
     async def act(self, obs: Observation) -> ActReply:
-        """Queue one observation for the next batch and return its reply."""
+        """Queue one observation for the next batch and return its reply (sampled actions)."""
         self._ensure_batcher()
         future = asyncio.get_running_loop().create_future()
         self._pending.append(_Request(obs, future, time.monotonic()))
@@ -195,10 +195,8 @@ class InferenceService:
             self._batcher.cancel()
             await asyncio.gather(self._batcher, return_exceptions=True)
             self._batcher = None
-        while self._pending:
-            request = self._pending.popleft()
-            if not request.future.done():
-                request.future.set_exception(RuntimeError("inference service closed"))
+        _fail(list(self._pending), RuntimeError("inference service closed"))
+        self._pending.clear()
         self._executor.shutdown(wait=False)
 
     def _ensure_batcher(self) -> None:
@@ -230,10 +228,11 @@ class InferenceService:
             ]
             try:
                 replies = await self._forward(batch, greedy=False)
+            except asyncio.CancelledError:
+                _fail(batch, RuntimeError("inference service closed"))
+                raise
             except Exception as err:  # the callers get the error; the service keeps serving
-                for request in batch:
-                    if not request.future.done():
-                        request.future.set_exception(err)
+                _fail(batch, err)
                 continue
             for request, reply in zip(batch, replies, strict=True):
                 if not request.future.done():  # the caller may have been cancelled
@@ -260,6 +259,12 @@ class InferenceService:
             ActReply(actions[i], logprobs[i], float(values[i]), version)
             for i in range(len(requests))
         ]
+
+
+def _fail(requests: list[_Request], err: Exception) -> None:
+    for request in requests:
+        if not request.future.done():
+            request.future.set_exception(err)
 
 
 def _run_policy(
