@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from conftest import tiny_config
 from safetensors.torch import load_file
 
 from relayrl.controller import train
 from relayrl.executors.trainer import Trainer
+from relayrl.launch import pick_transport
 
 SMALL = [
     "steps=6",
@@ -46,6 +48,9 @@ def test_async_run_changes_parameters_and_records_bounded_lags(ray_session, tmp_
     assert sum(hist.values()) == samples["trained"]
     assert max(hist) <= 1 and summary["staleness"]["max"] <= 1
     assert set(summary["perf"]["busy"]) == {"generator", "rewarder", "trainer"}
+    sync = summary["sync"]
+    assert sync["transport"] == "shm" and sync["lost"] == {}
+    assert sync["publishes"] >= summary["updates"] and 0 < sync["mean_s"] <= sync["max_s"]
 
     warm = Trainer(cfg)  # the same seeded warm start the run did, before any RL step
     warm.warm_start(40)
@@ -85,8 +90,9 @@ def _check_trace_agrees_with_summary(run_dir, summary):
 
 
 def test_sync_run_is_strictly_on_policy(ray_session, tmp_path):
-    _, summary = _run(tmp_path, "mode=sync")
+    _, summary = _run(tmp_path, "mode=sync", "sync.transport=dist", "sync.precision=bf16")
     assert summary["steps"] == 6
+    assert summary["sync"]["transport"] == "dist" and summary["sync"]["publishes"] >= 7
     assert summary["staleness"]["hist"] == {"0": summary["samples"]["trained"]}
     assert summary["samples"]["in_flight"] == 0 and summary["samples"]["accounted"]
 
@@ -140,3 +146,11 @@ def test_dataset_task_with_the_sandboxed_math_scorer_through_ray(ray_session, tm
     samples = summary["samples"]
     assert samples["accounted"] and samples["trained"] == 3 * 16
     assert samples["score_errors"] == 0 and samples["score_timeouts"] == 0
+
+
+def test_transport_follows_placement():
+    assert pick_transport("auto", "n1", ["n1", "n1"]) == "shm"
+    assert pick_transport("auto", "n1", ["n1", "n2"]) == "dist"
+    assert pick_transport("disk", "n1", ["n2"]) == "disk"
+    with pytest.raises(ValueError, match="sync.transport=shm needs the trainer"):
+        pick_transport("shm", "n1", ["n2"])

@@ -173,6 +173,10 @@ class TrainerConfig(_Section):
     )
     aipo_rho: float = Field(4.0, gt=0, description="AIPO truncation rho (LlamaRL uses 2..10).")
     ppo_clip_eps: float = Field(0.2, gt=0, lt=1, description="PPO-clip epsilon.")
+    gipo_sigma: float = Field(1.0, gt=0, description="GIPO Gaussian width for positive advantages.")
+    gipo_neg_ratio: float = Field(
+        0.5, gt=0, description="GIPO: negative advantages use sigma * neg_ratio."
+    )
 
     @field_validator("loss")
     @classmethod
@@ -193,6 +197,22 @@ class ChannelsConfig(_Section):
     """Bounded channels between executors."""
 
     capacity: int = Field(1, ge=1, description="Batches a channel holds before put() waits.")
+
+
+class SyncConfig(_Section):
+    """Weight sync from the trainer to the generator (see docs/architecture.md)."""
+
+    transport: Literal["auto", "shm", "dist", "object_store", "disk"] = Field(
+        "auto",
+        description="auto: shm when trainer and generator share a host, dist across hosts.",
+    )
+    timeout_s: float = Field(
+        60.0, gt=0, description="A receiver that takes no version within this is declared lost."
+    )
+    precision: Literal["fp32", "bf16", "fp16"] | None = Field(
+        None, description="Generator precision, cast at the receiver; null keeps the trainer's."
+    )
+    bucket_mb: int = Field(256, ge=1, description="Largest bucket a transport moves at once.")
 
 
 class RayConfig(_Section):
@@ -254,6 +274,7 @@ class Config(_Section):
     rewarder: RewarderConfig = RewarderConfig()
     trainer: TrainerConfig = TrainerConfig()
     channels: ChannelsConfig = ChannelsConfig()
+    sync: SyncConfig = SyncConfig()
     ray: RayConfig = RayConfig()
     log: LogConfig = LogConfig()
 

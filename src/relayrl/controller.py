@@ -18,7 +18,13 @@ import ray
 
 from relayrl.channels.local import Channel
 from relayrl.config import Config, save_config
-from relayrl.launch import Executors, place_executors, start_ray, stop_executors
+from relayrl.launch import (
+    Executors,
+    connect_weight_sync,
+    place_executors,
+    start_ray,
+    stop_executors,
+)
 from relayrl.observability.metrics import MetricsLog, RunTally
 from relayrl.observability.plots import plot_learning_curve, plot_timeline
 from relayrl.observability.report import write_report
@@ -112,6 +118,24 @@ async def run_async(cfg: Config, ex: Executors, tally: RunTally, log: MetricsLog
 LOOPS = {"sync": run_sync, "async": run_async}
 
 
+def _sync_summary(transport: str, trainer: dict, generator: dict) -> dict:
+    """Weight-sync time per publish: the trainer's stall plus the generator's receive.
+
+    The controller pairs every publish with one receive, so the two lists line up in order.
+    """
+    stall, receive = trainer["stall_s"], generator["receive_s"]
+    total = [s + r for s, r in zip(stall, receive, strict=False)]
+    return {
+        "transport": transport,
+        "publishes": len(total),
+        "mean_s": sum(total) / max(len(total), 1),
+        "max_s": max(total, default=0.0),
+        "stall_mean_s": sum(stall) / max(len(stall), 1),
+        "receive_mean_s": sum(receive) / max(len(receive), 1),
+        "lost": trainer["lost"],
+    }
+
+
 def train(cfg: Config, run_dir: Path) -> dict:
     """Run a whole LLM job in ``run_dir`` and return its summary (also written to summary.json)."""
     started = time.time()
@@ -121,6 +145,7 @@ def train(cfg: Config, run_dir: Path) -> dict:
     _write_summary(run_dir, summary)
     start_ray(cfg)
     ex = place_executors(cfg)
+    transport = connect_weight_sync(cfg, ex)
     log = MetricsLog(
         run_dir,
         cfg.log.tensorboard,
@@ -146,6 +171,9 @@ def train(cfg: Config, run_dir: Path) -> dict:
         log.log(tally.steps, {f"eval/{k}": v for k, v in eval_end.items()})
         checkpoint = ray.get(ex.trainer.save_pretrained.remote(str(run_dir / "checkpoint")))
         pending = ray.get(ex.generator.stats.remote())["pending"]
+        sync = _sync_summary(
+            transport, *ray.get([ex.trainer.sync_stats.remote(), ex.generator.sync_stats.remote()])
+        )
     except BaseException as err:
         tally.close()
         status = "interrupted" if isinstance(err, KeyboardInterrupt) else "failed"
@@ -194,6 +222,7 @@ def train(cfg: Config, run_dir: Path) -> dict:
             "trace_write_s": trace_s,
         },
         "staleness": tally.staleness() | {"max_staleness": cfg.max_staleness},
+        "sync": sync,
         "samples": {
             "generated": tally.generated,
             "trained": tally.trained,

@@ -59,6 +59,31 @@ def place_executors(cfg: Config) -> Executors:
     )
 
 
+def pick_transport(requested: str, trainer_node: str, receiver_nodes: list[str]) -> str:
+    """The weight-sync transport for a placement: shm on one host, dist across hosts."""
+    one_host = all(node == trainer_node for node in receiver_nodes)
+    if requested == "auto":
+        return "shm" if one_host else "dist"
+    if requested == "shm" and not one_host:
+        raise ValueError(
+            "sync.transport=shm needs the trainer and its receivers on one host; "
+            "they were placed on different nodes: use sync.transport=dist or auto"
+        )
+    return requested
+
+
+def connect_weight_sync(cfg: Config, ex: Executors) -> str:
+    """Open the trainer's publisher for the generator, rendezvous both, return the transport."""
+    (trainer_node, trainer_ip), (gen_node, _) = ray.get(
+        [ex.trainer.node.remote(), ex.generator.node.remote()]
+    )
+    transport = pick_transport(cfg.sync.transport, trainer_node, [gen_node])
+    address = ray.get(ex.trainer.open_sync.remote(transport, ["generator"], trainer_ip))
+    ray.get(ex.generator.open_sync.remote(address, "generator"))
+    ray.get([ex.trainer.connect_sync.remote(), ex.generator.connect_sync.remote()])
+    return transport
+
+
 def stop_executors(executors: Executors) -> None:
     """Kill the actors of a run (the Ray instance stays up for the next run).
 

@@ -6,7 +6,7 @@ import numpy as np
 from conftest import tiny_config
 
 from relayrl.executors.generator import Generator
-from relayrl.weight_sync import object_store
+from relayrl.weight_sync import TRANSPORTS
 
 
 def _completions_by_prompt(batches) -> dict[tuple, list[int]]:
@@ -40,9 +40,13 @@ def test_every_token_carries_the_version_that_sampled_it():
         "generator.group_size=2",
     )
     gen = Generator(cfg)
+    publisher = TRANSPORTS["shm"].Publisher(gen.model.state_dict(), ["generator"])
+    gen.open_sync(publisher.address)
     for version in range(1, 4):
         _, batch = gen.generate()  # the third call returns the groups started by the first
-        gen.update_weights(object_store.snapshot(gen.model, version))
+        gen.update_weights(publisher.publish(version, gen.model.state_dict()))
+    publisher.close()
+    assert len(gen.sync_stats()["receive_s"]) == 3
     long_rows = [r for r in range(len(batch)) if batch.completion_len[r] == 6]
     assert long_rows, "expected at least one completion resumed over three calls"
     row = long_rows[0]

@@ -69,7 +69,11 @@ def test_a_step_changes_parameters_and_bumps_the_version():
     metrics = trainer.train_step(_batch([0, 0]))
     assert metrics["stepped"] == 1.0 and trainer.version == 1
     assert any(not torch.equal(a, b) for a, b in zip(before, _params(trainer), strict=True))
-    assert trainer.publish().version == 1
+    trainer.open_sync("shm", ["generator"])
+    ticket = trainer.publish()
+    assert ticket.version == 1 and ticket.bytes >= sum(p.numel() * 4 for p in before)
+    assert trainer.sync_stats() == {"stall_s": [ticket.stall_s], "lost": {}}
+    trainer.publisher.close()
 
 
 def test_all_equal_rewards_give_no_gradient_signal():

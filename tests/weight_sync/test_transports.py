@@ -124,7 +124,7 @@ def test_shm_receiver_is_zero_copy_only_when_precision_matches(ray_session) -> N
     ticket = pub.publish(1, trainer_tensors(1))
     same.receive([ticket])
     weight = same.state.model[0].weight
-    assert weight.untyped_storage().data_ptr() == same.maps[0][ticket.payload].data_ptr()
+    assert weight.untyped_storage().data_ptr() == same.maps[0][ticket.payload[0]].data_ptr()
     pub.close()
     pub, (cast,) = build("shm", ["r0"], precision="bf16")
     assert not cast.zero_copy
@@ -171,7 +171,9 @@ def test_forward_passes_never_see_two_versions(kind: str) -> None:
     def reader() -> None:
         while not stop.is_set():
             with rcv.serving() as version:
-                values = {float(t.detach().flatten()[i]) for t in model.parameters() for i in (0, -1)}
+                values = {
+                    float(t.detach().flatten()[i]) for t in model.parameters() for i in (0, -1)
+                }
                 if version >= 0 and values != {float(version)}:
                     torn.append((version, values))
                 seen.add(version)
@@ -210,12 +212,21 @@ def test_shm_publisher_waits_for_the_slot_then_names_a_receiver_that_never_relea
     fast.receive([t2])  # slow stays on version 1, in the slot version 3 needs
     with pytest.warns(UserWarning, match="slow"):
         t3 = pub.publish(3, trainer_tensors(3))
-    assert set(pub.finish()) == {"slow"} and "version 1" in pub.lost["slow"]
+    assert set(pub.finish()) == {"slow"} and "publish #0" in pub.lost["slow"]
     assert t3.stall_s >= 0.5
     fast.receive([t3])
     assert fast.version == 3
     with pytest.raises(ReceiverLost, match="slow"):
         slow.receive([t3])
+    pub.close()
+
+
+def test_shm_tells_apart_two_publishes_of_one_version(ray_session) -> None:
+    """A warm start publishes version 0 repeatedly; slots are tracked by publish, not version."""
+    pub, (rcv,) = build("shm", ["r0"], timeout_s=0.5)
+    for _ in range(4):
+        rcv.receive([pub.publish(0, trainer_tensors(0))])
+    assert pub.finish() == {} and rcv.version == 0
     pub.close()
 
 

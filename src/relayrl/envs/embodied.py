@@ -18,8 +18,8 @@ class ActionSpace:
     """The action space as the policy sees it: a vocabulary of action tokens.
 
     A discrete space of ``n`` actions is one token per step from a vocabulary of ``n``. A
-    continuous space of ``n`` dimensions in [``low``, ``high``] is ``n`` tokens per step, each one of
-    ``bins`` uniform bins per dimension; ``to_env`` maps tokens to bin centres.
+    continuous space of ``n`` dimensions in [``low``, ``high``] is ``n`` tokens per step, each
+    one of ``bins`` uniform bins per dimension; ``to_env`` maps tokens to bin centres.
     """
 
     kind: Literal["discrete", "continuous"]

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
+import ray
 import torch
 
 from relayrl.config import Config
@@ -23,8 +24,9 @@ from relayrl.envs import build_task
 from relayrl.envs.arithmetic import Problem
 from relayrl.models.lm import build_policy, encode_prompt, load_tokenizer
 from relayrl.observability.tracing import Span, Tracer
-from relayrl.types import RolloutBatch, RolloutMeta, Weights
-from relayrl.weight_sync import object_store
+from relayrl.types import RolloutBatch, RolloutMeta
+from relayrl.weight_sync import TRANSPORTS, Ticket
+from relayrl.weight_sync.buckets import precision_dtype
 
 
 @dataclass
@@ -63,6 +65,9 @@ class Generator:
         self.next_group = 0
         self.tracer = Tracer(self.name)
         self.tokens_generated = 0
+        self.sync_cfg = cfg.sync
+        self.receiver = None
+        self.sync_receive: list[float] = []  # per received publish, in order
 
     def generate(self) -> tuple[RolloutMeta, RolloutBatch]:
         """One chunk of generation; returns the groups that finished during it."""
@@ -161,12 +166,40 @@ class Generator:
                 sample.versions = [self.version] * len(tokens)
         return _to_batch(samples, [a for a in answers for _ in range(k)], group_size=k)
 
-    def update_weights(self, weights: Weights) -> int:
+    def open_sync(self, address: dict, name: str = "generator") -> None:
+        """Attach a weight-sync receiver (in ``sync.precision``) to the trainer's publisher."""
+        dtype = precision_dtype(self.sync_cfg.precision)
+        if dtype is not None:
+            self.model.to(dtype)
+        self.receiver = TRANSPORTS[address["kind"]].Receiver(
+            self.model,
+            [address],
+            name,
+            precision=self.sync_cfg.precision,
+            timeout_s=self.sync_cfg.timeout_s,
+        )
+
+    def connect_sync(self) -> None:
+        """Rendezvous with the publisher (it calls its ``connect_sync`` meanwhile)."""
+        self.receiver.connect()
+
+    def update_weights(self, ticket: Ticket) -> int:
         """Swap in a newer policy; called between generate calls, which is the safe point."""
-        with self.tracer.span("update_weights", weights.version):
-            object_store.apply(self.model, weights)
-            self.version = weights.version
+        if self.receiver is None:
+            raise RuntimeError("call open_sync() before update_weights()")
+        with self.tracer.span("update_weights", ticket.version):
+            stats = self.receiver.receive([ticket])
+            self.version = ticket.version
+        self.sync_receive.append(stats.total_s)
         return self.version
+
+    def node(self) -> tuple[str, str]:
+        """The Ray node id and IP address this executor runs on."""
+        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
+
+    def sync_stats(self) -> dict:
+        """Receiver-side seconds of every receive, in order, from ticket to serving it."""
+        return {"receive_s": list(self.sync_receive)}
 
     def stats(self) -> dict[str, float]:
         """Counters for the run summary."""

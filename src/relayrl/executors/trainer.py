@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import ray
 import torch
 
 from relayrl.algorithms.advantages import ADVANTAGES, zero_signal_samples
@@ -23,8 +24,8 @@ from relayrl.config import Config
 from relayrl.envs import build_task
 from relayrl.models.lm import build_policy, encode_prompt, load_tokenizer
 from relayrl.observability.tracing import Span, Tracer
-from relayrl.types import RolloutBatch, Weights
-from relayrl.weight_sync import object_store
+from relayrl.types import RolloutBatch
+from relayrl.weight_sync import TRANSPORTS, Ticket
 
 
 class Trainer:
@@ -44,6 +45,7 @@ class Trainer:
             "aipo": {"rho": cfg.trainer.aipo_rho},
             "aipo_clamp": {"rho": cfg.trainer.aipo_rho},
             "ppo_clip": {"clip_eps": cfg.trainer.ppo_clip_eps},
+            "gipo": {"sigma": cfg.trainer.gipo_sigma, "neg_ratio": cfg.trainer.gipo_neg_ratio},
         }.get(cfg.trainer.loss, {})
         self.advantage_fn = ADVANTAGES[cfg.trainer.advantage]
         self.version = 0
@@ -51,6 +53,9 @@ class Trainer:
         self.tracer = Tracer(self.name)
         self.trained = 0
         self.dropped_stale = 0
+        self.sync_cfg = cfg.sync
+        self.publisher = None
+        self.sync_stalls: list[float] = []  # per publish, in order
 
     def warm_start(self, steps: int) -> dict[str, float]:
         """``steps`` supervised steps on a fixed set of worked examples (prompt masked out).
@@ -177,10 +182,40 @@ class Trainer:
             "version": float(self.version),
         }
 
-    def publish(self) -> Weights:
-        """The current weights, tagged with the current version."""
+    def open_sync(self, transport: str, receivers: list[str], host: str = "127.0.0.1") -> dict:
+        """Create the weight-sync publisher; returns the address receivers attach to."""
+        sc = self.sync_cfg
+        options = {"host": host} if transport == "dist" else {}
+        self.publisher = TRANSPORTS[transport].Publisher(
+            self.model.state_dict(),
+            receivers,
+            timeout_s=sc.timeout_s,
+            bucket_bytes=sc.bucket_mb << 20,
+            **options,
+        )
+        return self.publisher.address
+
+    def connect_sync(self) -> None:
+        """Rendezvous with the receivers (they call their ``connect_sync`` meanwhile)."""
+        self.publisher.connect()
+
+    def publish(self) -> Ticket:
+        """Publish the current weights as the current version; returns the receivers' ticket."""
+        if self.publisher is None:
+            raise RuntimeError("call open_sync() before publish()")
         with self.tracer.span("publish", self.version):
-            return object_store.snapshot(self.model, self.version)
+            ticket = self.publisher.publish(self.version, self.model.state_dict())
+        self.sync_stalls.append(ticket.stall_s)
+        return ticket
+
+    def node(self) -> tuple[str, str]:
+        """The Ray node id and IP address this executor runs on."""
+        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
+
+    def sync_stats(self) -> dict:
+        """Trainer-side stall of every publish, in order, and the receivers lost."""
+        lost = self.publisher.finish() if self.publisher is not None else {}
+        return {"stall_s": list(self.sync_stalls), "lost": lost}
 
     def save_pretrained(self, path: str) -> str:
         """Save a Hugging Face checkpoint (safetensors) with its tokenizer."""

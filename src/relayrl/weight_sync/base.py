@@ -21,6 +21,9 @@ class ReceiverLost(RuntimeError):
         self.name = name
         self.reason = reason
 
+    def __reduce__(self) -> tuple:
+        return (type(self), (self.name, self.reason))
+
 
 @dataclass
 class Ticket:

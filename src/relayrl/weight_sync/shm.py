@@ -1,8 +1,9 @@
 """Same-host shared memory: two slots in /dev/shm, allocated once, written by the trainer in
 turn; a receiver whose precision matches binds its model straight to a slot (zero-copy).
 
-The trainer writes version v into the slot that held v-2, so before writing it waits until
-every live receiver has swapped past v-2 (each receiver acknowledges the version it serves in
+Publishes are numbered (a version may be published twice, e.g. during a warm start). The
+trainer writes publish n into the slot that held publish n-2, so before writing it waits until
+every live receiver has swapped past n-2 (each receiver acknowledges the publish it serves in
 a small shared header). A receiver that does not within ``timeout_s`` is declared lost and the
 trainer carries on without it. A receiver in another precision copies (and casts) the slot into
 its own staging slot instead.
@@ -62,13 +63,14 @@ class Publisher:
         self.slots = [_map(p, self.layout.nbytes, create=True) for p in self.paths[:2]]
         for slot in self.slots:
             slot.zero_()  # fault every page in now, not on the first publish
-        # header: version held by slot 0 and slot 1, then the version each receiver serves
+        # header: publish number held by slot 0 and slot 1, then the one each receiver serves
         header_bytes = 8 * (2 + len(self.receivers))
         self.header = _map(self.paths[2], header_bytes, create=True).view(torch.int64)
         self.header.fill_(-1)
         self.views = [self.layout.views(slot) for slot in self.slots]
         self.lost: dict[str, str] = {}
         self._next = 0
+        self._published = 0
 
     @property
     def address(self) -> dict[str, Any]:
@@ -93,10 +95,11 @@ class Publisher:
             self._await_release(old)
         self.layout.check(tensors)
         copy_into(self.views[slot], tensors)
-        self.header[slot] = version
-        self._next = 1 - slot
+        self.header[slot] = self._published
+        payload = (slot, self._published)
+        self._next, self._published = 1 - slot, self._published + 1
         stall = time.perf_counter() - start
-        return Ticket(self.kind, self.shard, version, slot, stall, self.layout.nbytes)
+        return Ticket(self.kind, self.shard, version, payload, stall, self.layout.nbytes)
 
     def _await_release(self, old: int) -> None:
         deadline = time.monotonic() + self.timeout_s
@@ -111,8 +114,8 @@ class Publisher:
             if time.monotonic() > deadline:
                 for i, name in holding:
                     self.lost[name] = (
-                        f"still served version {old} after {self.timeout_s:g} s, "
-                        "blocking the slot of the next version"
+                        f"still served publish #{old} after {self.timeout_s:g} s, "
+                        "blocking the slot of the next one"
                     )
                     self.header[2 + i] = EVICTED
                 names = [n for _, n in holding]
@@ -180,23 +183,24 @@ class Receiver(ReceiverBase):
         for header, index, ticket in zip(self.headers, self.index, tickets, strict=True):
             if int(header[2 + index]) == EVICTED:
                 raise ReceiverLost(self.name, "evicted by the publisher after a timeout")
-            if int(header[ticket.payload]) != version:
+            slot, number = ticket.payload
+            if int(header[slot]) != number:
                 raise RuntimeError(
-                    f"receiver {self.name!r}: slot {ticket.payload} of shard {ticket.shard} holds "
-                    f"version {int(header[ticket.payload])}, not {version}: the ticket is stale"
+                    f"receiver {self.name!r}: slot {slot} of shard {ticket.shard} holds publish "
+                    f"#{int(header[slot])}, not #{number} (version {version}): the ticket is stale"
                 )
         if self.zero_copy:
-            if len({t.payload for t in tickets}) != 1:
+            if len({t.payload[0] for t in tickets}) != 1:
                 raise RuntimeError(f"receiver {self.name!r}: shards published into different slots")
-            stats = self._timed(lambda: None, tickets[0].payload, version)
+            stats = self._timed(lambda: None, tickets[0].payload[0], version)
         else:
             slot = self.state.staging()
 
             def fetch() -> None:
                 for views, ticket in zip(self.wire_views, tickets, strict=True):
-                    copy_into(self.state.views[slot], views[ticket.payload])
+                    copy_into(self.state.views[slot], views[ticket.payload[0]])
 
             stats = self._timed(fetch, slot, version)
-        for header, index in zip(self.headers, self.index, strict=True):
-            header[2 + index] = version
+        for header, index, ticket in zip(self.headers, self.index, tickets, strict=True):
+            header[2 + index] = ticket.payload[1]
         return stats
