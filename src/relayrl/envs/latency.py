@@ -7,7 +7,7 @@ Distributions, each parameterised by its mean ``mean_ms``:
 - ``uniform``: uniform on [0, 2 * ``mean_ms``].
 - ``lognormal``: ``exp(N(mu, sigma^2))`` with ``mu = ln(mean_ms) - sigma^2 / 2`` so that its mean is
   ``mean_ms``; ``sigma`` (of the underlying normal) sets how heavy the tail is: the 99th
-  percentile is ``exp(mu + 2.326 sigma)``, about 5.8x the mean at ``sigma=1``.
+  percentile is ``exp(mu + 2.326 sigma)``, about 6.2x the mean at ``sigma=1``.
 """
 
 from __future__ import annotations
