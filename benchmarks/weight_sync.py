@@ -153,7 +153,8 @@ def run_one(
     actors = [BenchReceiver.remote(size, dtype) for _ in names]
     pub = TRANSPORTS[transport].Publisher(tensors, names, timeout_s=timeout_s)
     try:
-        opened = [a.open.remote(pub.address, n, timeout_s) for a, n in zip(actors, names, strict=True)]
+        pairs = zip(actors, names, strict=True)
+        opened = [a.open.remote(pub.address, n, timeout_s) for a, n in pairs]
         ray.get(opened)
         connecting = [a.connect.remote() for a in actors]
         pub.connect()
