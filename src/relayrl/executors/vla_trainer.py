@@ -1,0 +1,394 @@
+"""VLA trainer executor: values and GAE from the current critic, global normalisation, GIPO.
+
+Each ``train_step`` takes a super-batch of trajectory segments (from the replay buffer, or from the
+lockstep loop in sync mode) and
+
+1. drops, and counts, every segment whose oldest action lags the trainer by more than
+   ``max_staleness`` versions;
+2. cuts the rest into micro-batches of about ``trainer.minibatch_steps`` env steps; for each it
+   pads the segments, recomputes the value of every observation with the current critic (the
+   behaviour values the workers recorded are stale) and computes GAE, bootstrapping from the value
+   of a segment's last observation unless the segment ended with ``terminated``;
+3. normalises the advantages over the whole super-batch (``global_normalize``), as AcceRL does;
+4. takes ``trainer.epochs`` passes of random minibatches of env steps with
+   ``loss = LOSSES[trainer.loss] over action tokens + value_coef * (V - G)^2 - entropy_coef * H``,
+   every action token of a step carrying the step's advantage;
+5. bumps the policy version once.
+
+In async mode the trainer pulls super-batches itself: ``attach_buffer`` starts a ``Prefetcher``
+that fetches the next super-batch from the replay-buffer actor while the current one trains.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import ray
+import torch
+from safetensors.torch import save_file
+from torch import Tensor
+
+from relayrl.algorithms.advantages import gae
+from relayrl.algorithms.losses import LOSSES
+from relayrl.algorithms.normalization import global_normalize
+from relayrl.config import Config
+from relayrl.executors.replay_buffer import Prefetcher, ReplayBufferClosed
+from relayrl.models.vla import VLAConfig, VLAPolicy
+from relayrl.observability.tracing import Span, Tracer
+from relayrl.types import Segment
+from relayrl.weight_sync import TRANSPORTS, Ticket
+
+
+@dataclass
+class PaddedSegments:
+    """B segments right-padded to the longest, T steps."""
+
+    images: Tensor  # uint8 [B, T + 1, V, H, W, 3], zeros past each segment's last observation
+    steps: Tensor  # int64 [B, T + 1] episode step of each observation
+    actions: Tensor  # int64 [B, T, D]
+    logprobs: Tensor  # float32 [B, T, D] behaviour log-probs mu
+    rewards: Tensor  # float32 [B, T]
+    versions: Tensor  # int64 [B, T]
+    mask: Tensor  # bool [B, T], true on valid steps (a prefix of each row)
+    terminated: Tensor  # bool [B]
+    instructions: list[str]  # [B]
+
+    @property
+    def observed(self) -> Tensor:
+        """bool [B, T + 1], true on valid observations: each step's and the one after the last."""
+        return torch.cat([torch.ones_like(self.mask[:, :1]), self.mask], dim=1)
+
+
+def pad_segments(segments: list[Segment]) -> PaddedSegments:
+    """Stack segments into right-padded tensors (see ``PaddedSegments``)."""
+    if not segments:
+        raise ValueError("segments must hold at least one Segment, got an empty list")
+    batch, width = len(segments), max(len(s) for s in segments)
+    first = segments[0]
+    images = np.zeros((batch, width + 1, *first.images.shape[1:]), dtype=np.uint8)
+    steps = np.zeros((batch, width + 1), dtype=np.int64)
+    actions = np.zeros((batch, width, first.actions.shape[1]), dtype=np.int64)
+    logprobs = np.zeros((batch, width, first.actions.shape[1]), dtype=np.float32)
+    rewards = np.zeros((batch, width), dtype=np.float32)
+    versions = np.zeros((batch, width), dtype=np.int64)
+    mask = np.zeros((batch, width), dtype=bool)
+    for i, s in enumerate(segments):
+        n = len(s)
+        images[i, : n + 1], steps[i, : n + 1] = s.images, s.steps
+        actions[i, :n], logprobs[i, :n], rewards[i, :n] = s.actions, s.logprobs, s.rewards
+        versions[i, :n], mask[i, :n] = s.versions, True
+    return PaddedSegments(
+        *(torch.from_numpy(a) for a in (images, steps, actions, logprobs, rewards, versions, mask)),
+        terminated=torch.tensor([s.terminated for s in segments]),
+        instructions=[s.instruction for s in segments],
+    )
+
+
+@torch.no_grad()
+def critic_values(policy: VLAPolicy, batch: PaddedSegments) -> Tensor:
+    """Current-critic values float32 [B, T + 1] of every valid observation, 0 on padding."""
+    observed = batch.observed
+    rows = observed.nonzero()[:, 0]
+    ids = policy.tokenize([batch.instructions[i] for i in rows.tolist()])
+    _, values = policy(batch.images[observed], ids, batch.steps[observed])
+    out = torch.zeros(observed.shape, dtype=torch.float32)
+    out[observed] = values.float()
+    return out
+
+
+def micro_batches(segments: list[Segment], max_steps: int) -> list[list[Segment]]:
+    """Consecutive groups of segments of at most ``max_steps`` env steps (one segment at least)."""
+    groups: list[list[Segment]] = [[]]
+    steps = 0
+    for segment in segments:
+        if groups[-1] and steps + len(segment) > max_steps:
+            groups.append([])
+            steps = 0
+        groups[-1].append(segment)
+        steps += len(segment)
+    return groups
+
+
+class VLATrainer:
+    """Actor-critic update of a ``VLAPolicy``; a Ray actor in a run, a plain object in tests."""
+
+    name = "trainer"
+
+    def __init__(self, cfg: Config, vla: VLAConfig):
+        torch.set_num_threads(cfg.ray.threads_per_executor)
+        torch.manual_seed(cfg.run.seed)
+        self.cfg = cfg
+        self.tc = cfg.trainer
+        self.vla = vla
+        self.policy = VLAPolicy(vla).train()
+        self.optimizer = torch.optim.AdamW(
+            self.policy.parameters(), lr=self.tc.lr, eps=1e-5, weight_decay=self.tc.weight_decay
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+        self.loss_fn = LOSSES[self.tc.loss]
+        self.loss_kwargs = {
+            "aipo": {"rho": self.tc.aipo_rho},
+            "aipo_clamp": {"rho": self.tc.aipo_rho},
+            "ppo_clip": {"clip_eps": self.tc.ppo_clip_eps},
+            "gipo": {"sigma": self.tc.gipo_sigma, "neg_ratio": self.tc.gipo_neg_ratio},
+        }[self.tc.loss]
+        self.generator = torch.Generator().manual_seed(cfg.run.seed + 5)
+        self.version = 0
+        self.tracer = Tracer(self.name)
+        self.trained = 0  # env steps
+        self.dropped_stale = 0
+        self.publisher = None
+        self.sync_stalls: list[float] = []
+        self._prefetch: Prefetcher | None = None
+
+    def advantages(self, segments: list[Segment]) -> dict[str, Any]:
+        """Per-step training samples of ``segments``, in segment-then-step order: images, steps,
+        instructions, actions, logprobs, values (current critic), raw GAE ``advantages`` and
+        ``returns``; values and GAE are computed one micro-batch at a time."""
+        parts = []
+        for group in micro_batches(segments, self.tc.minibatch_steps):
+            batch = pad_segments(group)
+            values = critic_values(self.policy, batch)
+            adv, ret = gae(
+                batch.rewards,
+                values,
+                batch.terminated,
+                batch.mask,
+                gamma=self.tc.gamma,
+                lam=self.tc.lam,
+            )
+            mask = batch.mask
+            rows = mask.nonzero()[:, 0].tolist()
+            parts.append(
+                {
+                    "images": batch.images[:, :-1][mask],
+                    "steps": batch.steps[:, :-1][mask],
+                    "instructions": [batch.instructions[i] for i in rows],
+                    "actions": batch.actions[mask],
+                    "logprobs": batch.logprobs[mask],
+                    "versions": batch.versions[mask],
+                    "values": values[:, :-1][mask],
+                    "advantages": adv[mask],
+                    "returns": ret[mask],
+                }
+            )
+        return {
+            key: sum((p[key] for p in parts), [])
+            if key == "instructions"
+            else torch.cat([p[key] for p in parts])
+            for key in parts[0]
+        }
+
+    def train_step(self, segments: list[Segment]) -> dict[str, float]:
+        """Drop stale segments, update on the rest, bump the version."""
+        with self.tracer.span("train_step", self.version):
+            return self._train_step(segments)
+
+    def _train_step(self, segments: list[Segment]) -> dict[str, float]:
+        start = time.perf_counter()
+        received = sum(len(s) for s in segments)
+        oldest_allowed = self.version - self.cfg.max_staleness
+        fresh = [s for s in segments if int(s.versions.min()) >= oldest_allowed]
+        dropped = received - sum(len(s) for s in fresh)
+        self.dropped_stale += dropped
+        metrics: dict[str, Any] = {
+            "samples/received": float(received),
+            "samples/dropped_stale": float(dropped),
+            "samples/trained": float(received - dropped),
+        }
+        if not fresh:
+            return metrics | {"perf/train_s": time.perf_counter() - start, "stepped": 0.0}
+        self.trained += received - dropped
+        data = self.advantages(fresh)
+        lag = (self.version - data["versions"]).numpy()
+        ended = [s for s in fresh if s.episode_done]
+        metrics |= {
+            "rollout/reward_mean": float(np.mean(np.concatenate([s.rewards for s in fresh]))),
+            "rollout/episodes_ended": float(len(ended)),
+            "rollout/value_mean": float(data["values"].mean()),
+            "staleness/mean": float(lag.mean()),
+            "staleness/max": float(lag.max()),
+            "lags": np.bincount(lag, minlength=self.cfg.max_staleness + 1).tolist(),
+        }
+        if ended:  # the progress bar and learning curve read rollout/accuracy
+            metrics["rollout/accuracy"] = float(np.mean([s.success for s in ended]))
+        advantages = global_normalize(data["advantages"], torch.ones_like(data["advantages"]))
+        losses = self._update(data, advantages)
+        self.scheduler.step()
+        self.version += 1
+        return (
+            metrics
+            | losses
+            | {
+                "stepped": 1.0,
+                "loss/lr": self.scheduler.get_last_lr()[0],
+                "perf/train_s": time.perf_counter() - start,
+                "version": float(self.version),
+            }
+        )
+
+    def _update(self, data: dict[str, Any], advantages: Tensor) -> dict[str, float]:
+        """``epochs`` passes of shuffled minibatches; returns the mean of each loss metric."""
+        count = advantages.shape[0]
+        totals: dict[str, float] = {}
+        updates = 0
+        for _ in range(self.tc.epochs):
+            order = torch.randperm(count, generator=self.generator)
+            for first in range(0, count, self.tc.minibatch_steps):
+                idx = order[first : first + self.tc.minibatch_steps]
+                ids = self.policy.tokenize([data["instructions"][i] for i in idx.tolist()])
+                logp, entropy, values = self.policy.evaluate_actions(
+                    data["images"][idx], ids, data["steps"][idx], data["actions"][idx]
+                )
+                token_adv = advantages[idx, None].expand_as(logp)
+                mask = torch.ones_like(logp, dtype=torch.bool)
+                policy_loss, stats = self.loss_fn(
+                    logp, data["logprobs"][idx], token_adv, mask, **self.loss_kwargs
+                )
+                value_loss = (values - data["returns"][idx]).square().mean()
+                entropy = entropy.mean()
+                loss = policy_loss + self.tc.value_coef * value_loss
+                loss = loss - self.tc.entropy_coef * entropy
+                self.optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                grad_norm = torch.nn.utils.clip_grad_norm_(
+                    self.policy.parameters(), self.tc.grad_clip
+                )
+                self.optimizer.step()
+                step = {
+                    "loss/policy": float(policy_loss.detach()),
+                    "loss/value": float(value_loss.detach()),
+                    "loss/entropy": float(entropy.detach()),
+                    "loss/grad_norm": float(grad_norm),
+                    **{f"loss/{k}": v for k, v in stats.items()},
+                }
+                for key, value in step.items():
+                    totals[key] = totals.get(key, 0.0) + value
+                updates += 1
+        return {key: value / updates for key, value in totals.items()}
+
+    def attach_buffer(self, buffer: Any, batch_steps: int) -> None:
+        """Start prefetching super-batches of ``batch_steps`` env steps from a replay-buffer actor;
+        the buffer filters staleness against the trainer's version when the fetch starts."""
+        self._prefetch = Prefetcher(
+            lambda: ray.get(buffer.get.remote(batch_steps, self.version)), name="replay-prefetch"
+        )
+
+    def train_next(self) -> dict[str, float]:
+        """Train on the prefetched super-batch (waiting for it if need be)."""
+        if self._prefetch is None:
+            raise RuntimeError("call attach_buffer() before train_next()")
+        start = time.time()
+        segments = self._prefetch.next()
+        self.tracer.wait("replay", start, time.time(), self.version)
+        return self.train_step(segments)
+
+    def stop_prefetch(self, timeout_s: float = 60.0) -> int:
+        """Stop prefetching once the buffer is closed; returns the env steps of a super-batch
+        that was taken from the buffer but will never be trained (0 if none was)."""
+        if self._prefetch is None:
+            return 0
+        try:
+            segments = self._prefetch.next(timeout_s)
+        except ReplayBufferClosed:
+            segments = []
+        self._prefetch.close()
+        self._prefetch = None
+        return sum(len(s) for s in segments)
+
+    def open_sync(self, transport: str, receivers: list[str], host: str = "127.0.0.1") -> dict:
+        """Create the weight-sync publisher; returns the address receivers attach to."""
+        sc = self.cfg.sync
+        options = {"host": host} if transport == "dist" else {}
+        self.publisher = TRANSPORTS[transport].Publisher(
+            self.policy.state_dict(),
+            receivers,
+            timeout_s=sc.timeout_s,
+            bucket_bytes=sc.bucket_mb << 20,
+            **options,
+        )
+        return self.publisher.address
+
+    def connect_sync(self) -> None:
+        """Rendezvous with the receivers (they call their ``connect_sync`` meanwhile)."""
+        self.publisher.connect()
+
+    def publish(self) -> Ticket:
+        """Publish the current weights as the current version; returns the receivers' ticket."""
+        if self.publisher is None:
+            raise RuntimeError("call open_sync() before publish()")
+        with self.tracer.span("publish", self.version):
+            ticket = self.publisher.publish(self.version, self.policy.state_dict())
+        self.sync_stalls.append(ticket.stall_s)
+        return ticket
+
+    def node(self) -> tuple[str, str]:
+        """The Ray node id and IP address this executor runs on."""
+        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
+
+    def sync_stats(self) -> dict:
+        """Trainer-side stall of every publish, in order, and the receivers lost."""
+        lost = self.publisher.finish() if self.publisher is not None else {}
+        return {"stall_s": list(self.sync_stalls), "lost": lost}
+
+    def save_pretrained(self, path: str) -> str:
+        """Save ``model.safetensors`` and ``vla_config.json`` (``VLAPolicy(VLAConfig(**json))``
+        rebuilds the model) into the directory ``path``."""
+        out = Path(path)
+        out.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().contiguous() for k, v in self.policy.state_dict().items()}
+        save_file(state, str(out / "model.safetensors"), metadata={"version": str(self.version)})
+        (out / "vla_config.json").write_text(json.dumps(asdict(self.vla), indent=2) + "\n")
+        return str(out)
+
+    def stats(self) -> dict[str, float]:
+        """Counters for the run summary (``trained`` and ``dropped_stale`` in env steps)."""
+        return {
+            "busy_s": self.tracer.busy_s(),
+            "version": self.version,
+            "trained": self.trained,
+            "dropped_stale": self.dropped_stale,
+        }
+
+    def trace(self) -> tuple[list[Span], list[Span]]:
+        """Busy spans and waits recorded so far."""
+        return self.tracer.spans, self.tracer.waits
+
+    def state_dict(self) -> dict:
+        """A snapshot (not a view) of policy, optimizer, version and counters."""
+        return copy.deepcopy(
+            {
+                "policy": self.policy.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "generator": self.generator.get_state(),
+                "version": self.version,
+                "trained": self.trained,
+                "dropped_stale": self.dropped_stale,
+            }
+        )
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what ``state_dict`` saved."""
+        self.policy.load_state_dict(state["policy"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.generator.set_state(state["generator"])
+        self.version = state["version"]
+        self.trained = state["trained"]
+        self.dropped_stale = state["dropped_stale"]
+
+    def _lr_factor(self, update: int) -> float:
+        """Multiplier of the learning rate after ``update`` train steps."""
+        if self.tc.lr_schedule == "constant":
+            return 1.0
+        progress = min(update / max(self.cfg.steps, 1), 1.0)
+        final = self.tc.lr_final_ratio
+        return final + (1 - final) * 0.5 * (1 + math.cos(math.pi * progress))

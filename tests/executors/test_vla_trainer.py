@@ -1,0 +1,165 @@
+"""VLA trainer: GAE per micro-batch, values from the current critic, staleness drops, updates."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from relayrl.config import load_config
+from relayrl.executors.vla_trainer import VLATrainer, micro_batches
+from relayrl.models.vla import VLAConfig, VLAPolicy
+from relayrl.types import Segment
+
+TINY_VLA = VLAConfig(
+    image_size=8,
+    patch_size=4,
+    channels=4,
+    conv_layers=1,
+    d_model=8,
+    layers=1,
+    heads=2,
+    instruction_tokens=4,
+    hash_buckets=4,
+    action_dims=2,
+    action_vocab=3,
+    max_episode_steps=8,
+)
+
+
+def make_trainer(*overrides: str) -> VLATrainer:
+    cfg = load_config(
+        None, ["workload=embodied", "env.image_size=8", "vla.patch_size=4", *overrides]
+    )
+    return VLATrainer(cfg, TINY_VLA)
+
+
+def segment(length: int, *, seed: int, version: int = 0, terminated: bool = False) -> Segment:
+    rng = np.random.default_rng(seed)
+    return Segment(
+        worker=0,
+        episode=seed,
+        task="t",
+        instruction=["go to the red ball", "open the door"][seed % 2],
+        images=rng.integers(0, 256, (length + 1, 1, 8, 8, 3), dtype=np.uint8),
+        steps=np.arange(length + 1, dtype=np.int64) + seed,
+        actions=rng.integers(0, 3, (length, 2)),
+        logprobs=np.full((length, 2), -1.1, np.float32),
+        values=np.zeros(length, np.float32),
+        rewards=rng.random(length).astype(np.float32),
+        versions=np.full(length, version, np.int64),
+        terminated=terminated,
+        episode_done=terminated,
+        success=terminated,
+    )
+
+
+def naive_gae(policy: VLAPolicy, seg: Segment, gamma: float, lam: float) -> np.ndarray:
+    """One segment at a time, with a plain reversed loop."""
+    with torch.no_grad():
+        ids = policy.tokenize([seg.instruction] * (len(seg) + 1))
+        _, values = policy(torch.from_numpy(seg.images), ids, torch.from_numpy(seg.steps))
+    values = values.numpy()
+    adv, running = np.zeros(len(seg)), 0.0
+    for t in reversed(range(len(seg))):
+        last = t == len(seg) - 1
+        next_value = 0.0 if (last and seg.terminated) else values[t + 1]
+        running = seg.rewards[t] + gamma * next_value - values[t] + gamma * lam * running
+        adv[t] = running
+    return adv
+
+
+SEGMENTS = [
+    segment(3, seed=0),
+    segment(1, seed=1, terminated=True),
+    segment(4, seed=2, terminated=True),
+    segment(2, seed=3),
+]
+
+
+def test_micro_batches_are_consecutive_and_hold_at_most_max_steps():
+    groups = micro_batches(SEGMENTS, 4)
+    assert [[len(s) for s in g] for g in groups] == [[3, 1], [4], [2]]
+    assert [len(g) for g in micro_batches(SEGMENTS, 1)] == [1, 1, 1, 1]  # one at least
+
+
+def test_gae_per_micro_batch_equals_gae_on_the_whole_batch_and_a_naive_loop():
+    small = make_trainer("trainer.minibatch_steps=2", "trainer.gamma=0.9", "trainer.lam=0.8")
+    whole = make_trainer("trainer.minibatch_steps=1000", "trainer.gamma=0.9", "trainer.lam=0.8")
+    a, b = small.advantages(SEGMENTS), whole.advantages(SEGMENTS)
+    torch.testing.assert_close(a["advantages"], b["advantages"])
+    torch.testing.assert_close(a["returns"], b["returns"])
+    naive = np.concatenate([naive_gae(whole.policy, s, 0.9, 0.8) for s in SEGMENTS])
+    np.testing.assert_allclose(b["advantages"].numpy(), naive, rtol=1e-5, atol=1e-5)
+    assert b["instructions"][:4] == ["go to the red ball"] * 3 + ["open the door"]
+
+
+def test_values_come_from_the_current_critic_not_the_recorded_ones():
+    trainer = make_trainer()
+    seg = segment(1, seed=1, terminated=True)
+    before = trainer.advantages([seg])["advantages"]
+    seg.values[:] = 100.0  # behaviour values are ignored
+    torch.testing.assert_close(trainer.advantages([seg])["advantages"], before)
+    with torch.no_grad():  # V + 0.5 everywhere: a one-step terminal A = r - V drops by 0.5
+        trainer.policy.value_head.mlp[2].bias += 0.5
+    after = trainer.advantages([seg])["advantages"]
+    torch.testing.assert_close(after, before - 0.5)
+
+
+def test_a_step_changes_parameters_bumps_the_version_and_reports_losses():
+    trainer = make_trainer("trainer.minibatch_steps=4", "trainer.epochs=2")
+    before = {k: v.clone() for k, v in trainer.policy.state_dict().items()}
+    metrics = trainer.train_step(SEGMENTS)
+    assert trainer.version == 1 and metrics["version"] == 1.0 and metrics["stepped"] == 1.0
+    changed = [k for k, v in trainer.policy.state_dict().items() if not torch.equal(v, before[k])]
+    assert "action_head.weight" in changed and "value_head.mlp.2.weight" in changed
+    assert metrics["samples/trained"] == 10 and trainer.trained == 10
+    assert metrics["rollout/accuracy"] == 1.0 and metrics["rollout/episodes_ended"] == 2
+    assert metrics["lags"] == [10, 0, 0] and metrics["staleness/max"] == 0
+    assert np.isfinite(
+        [metrics["loss/policy"], metrics["loss/value"], metrics["loss/entropy"]]
+    ).all()
+    assert trainer.tracer.spans[-1].name == "train_step"
+
+
+def test_stale_segments_are_dropped_and_counted():
+    trainer = make_trainer("max_staleness=2")
+    trainer.version = 5
+    batch = [segment(3, seed=0, version=2), segment(2, seed=1, version=3)]
+    batch[1].versions[0] = 4  # a segment's oldest action decides
+    metrics = trainer.train_step(batch)
+    assert (metrics["samples/dropped_stale"], metrics["samples/trained"]) == (3.0, 2.0)
+    assert metrics["lags"] == [0, 1, 1] and metrics["staleness/max"] == 2
+    assert (trainer.dropped_stale, trainer.trained, trainer.version) == (3, 2, 6)
+    metrics = trainer.train_step([segment(2, seed=0, version=1)])
+    assert metrics["stepped"] == 0.0 and trainer.version == 6 and trainer.dropped_stale == 5
+
+
+def test_the_loss_is_chosen_by_name_and_gipo_is_the_embodied_default():
+    assert make_trainer().loss_fn.__name__ == "gipo_loss"
+    assert make_trainer("trainer.loss=ppo_clip").loss_kwargs == {"clip_eps": 0.2}
+
+
+def test_state_dict_restores_and_the_checkpoint_rebuilds_the_policy(tmp_path):
+    trainer = make_trainer()
+    trainer.train_step(SEGMENTS)
+    other = make_trainer("run.seed=9")
+    other.load_state_dict(trainer.state_dict())
+    assert other.version == 1 and other.trained == trainer.trained
+    for key, value in trainer.policy.state_dict().items():
+        assert torch.equal(other.policy.state_dict()[key], value)
+    path = trainer.save_pretrained(str(tmp_path / "ckpt"))
+    rebuilt = VLAPolicy(
+        VLAConfig(**json.loads((tmp_path / "ckpt" / "vla_config.json").read_text()))
+    )
+    rebuilt.load_state_dict(load_file(f"{path}/model.safetensors"))
+    for key, value in trainer.policy.state_dict().items():
+        assert torch.equal(rebuilt.state_dict()[key], value)
+
+
+def test_train_next_needs_a_buffer():
+    with pytest.raises(RuntimeError, match="attach_buffer"):
+        make_trainer().train_next()
