@@ -157,7 +157,11 @@ class RewarderConfig(_Section):
 class TrainerConfig(_Section):
     """Policy update."""
 
-    loss: str = Field("aipo", description="Loss name: " + ", ".join(sorted(LOSSES)) + ".")
+    loss: str = Field(
+        "aipo",
+        description="Loss name: " + ", ".join(sorted(LOSSES)) + "; workload=embodied defaults "
+        "to gipo.",
+    )
     advantage: str = Field("grpo", description="Advantage: " + ", ".join(sorted(ADVANTAGES)) + ".")
     lr: float = Field(3e-4, gt=0, description="AdamW learning rate.")
     lr_schedule: Literal["constant", "cosine"] = Field(
@@ -177,6 +181,19 @@ class TrainerConfig(_Section):
     gipo_neg_ratio: float = Field(
         0.5, gt=0, description="GIPO: negative advantages use sigma * neg_ratio."
     )
+    gamma: float = Field(0.99, ge=0, le=1, description="embodied: GAE discount.")
+    lam: float = Field(0.95, ge=0, le=1, description="embodied: GAE lambda.")
+    value_coef: float = Field(0.5, ge=0, description="embodied: weight of the value loss.")
+    entropy_coef: float = Field(0.01, ge=0, description="embodied: weight of the entropy bonus.")
+    epochs: int = Field(
+        2, ge=1, description="embodied: passes over each super-batch (one version bump in all)."
+    )
+    minibatch_steps: int = Field(
+        256,
+        ge=1,
+        description="embodied: env steps per optimizer step; also the micro-batch of segments "
+        "whose values and GAE are recomputed together.",
+    )
 
     @field_validator("loss")
     @classmethod
@@ -191,6 +208,116 @@ class TrainerConfig(_Section):
         if value not in ADVANTAGES:
             raise ValueError(f"unknown advantage; allowed: {', '.join(sorted(ADVANTAGES))}")
         return value
+
+
+class EnvConfig(_Section):
+    """embodied: the simulator each rollout worker steps (see docs/envs.md)."""
+
+    name: Literal["babyai", "metaworld", "libero"] = Field(
+        "babyai", description="Simulator: babyai, metaworld or libero (extras of the same names)."
+    )
+    tasks: list[str] = Field(
+        ["BabyAI-GoToLocalS7N4-v0"],
+        description="babyai: level ids; metaworld: task names (or MT10); libero: task names of "
+        "env.suite (empty: every task of the suite).",
+    )
+    suite: str = Field("libero_spatial", description="libero: the suite the tasks come from.")
+    image_size: int = Field(56, ge=8, description="Height and width of each camera view.")
+    max_steps: int | None = Field(
+        None, ge=1, description="Episode step limit; null keeps the simulator's own."
+    )
+    distractor_fails: bool = Field(
+        True, description="babyai: facing an object the mission does not name fails the episode."
+    )
+    blind: bool = Field(
+        False,
+        description="Replace every instruction with one constant string: the instruction-blind "
+        "control run of the same config.",
+    )
+    latency: Literal["none", "constant", "uniform", "lognormal"] = Field(
+        "none", description="Extra sleep after each step (LatencyEnv) to emulate slow simulators."
+    )
+    latency_mean_ms: float = Field(10.0, gt=0, description="Mean of the latency sleep.")
+    latency_sigma: float = Field(1.0, ge=0, description="lognormal latency: sigma of the log.")
+    eval_episodes: int = Field(
+        64, ge=1, description="Fresh episodes per evaluation (the same ones at every evaluation)."
+    )
+    eval_greedy: bool = Field(
+        False,
+        description="Evaluate the most likely action instead of a sampled one; a memoryless "
+        "policy can loop forever greedily where sampling gets unstuck.",
+    )
+
+
+class RolloutConfig(_Section):
+    """embodied: rollout workers, one environment each."""
+
+    workers: int = Field(8, ge=1, description="Rollout workers (Ray actors).")
+    segment_len: int = Field(
+        32, ge=1, description="Most steps in one trajectory segment (L); episodes are cut."
+    )
+    max_consecutive_errors: int = Field(
+        10, ge=1, description="A worker gives up after this many env errors in a row."
+    )
+    dwr: bool = Field(
+        True, description="Dynamic weighted resampling: start episodes on tasks still failed."
+    )
+    dwr_window: int = Field(50, ge=1, description="DWR: recent episodes per task that count.")
+    dwr_alpha: float = Field(1.0, gt=0, description="DWR: Laplace smoothing of failure rates.")
+
+
+class InferenceConfig(_Section):
+    """embodied: the dynamic-batching inference service the workers ask for actions."""
+
+    max_batch: int = Field(8, ge=1, description="Most observations one forward pass answers.")
+    max_wait_ms: float = Field(
+        2.0, ge=0, description="Flush a batch this long after its oldest request arrived."
+    )
+
+
+class ReplayConfig(_Section):
+    """embodied: the FIFO replay buffer between workers and trainer (async mode)."""
+
+    capacity_steps: int = Field(
+        4096, ge=1, description="Env steps the buffer holds; the oldest segments are evicted."
+    )
+    batch_steps: int = Field(
+        512, ge=1, description="Env steps per super-batch, one trainer step (sync and async)."
+    )
+
+    @model_validator(mode="after")
+    def _batch_fits(self) -> ReplayConfig:
+        if self.batch_steps > self.capacity_steps:
+            raise ValueError(
+                f"batch_steps={self.batch_steps} must be <= capacity_steps={self.capacity_steps}"
+            )
+        return self
+
+
+class VLAModelConfig(_Section):
+    """embodied: sizes of the VLA policy (relayrl.models.vla); views, image size and the action
+    vocabulary come from the environment."""
+
+    patch_size: int = Field(8, ge=1, description="Patch stem stride; 8 is one BabyAI cell.")
+    channels: int = Field(32, ge=1, description="Channels of the convolutional image encoder.")
+    conv_layers: int = Field(2, ge=0, description="FiLM-conditioned residual convolutions.")
+    d_model: int = Field(64, ge=8, description="Width of the transformer backbone.")
+    layers: int = Field(1, ge=1, description="Transformer encoder layers.")
+    heads: int = Field(4, ge=1, description="Attention heads; must divide d_model.")
+    ff_mult: int = Field(2, ge=1, description="Feed-forward width as a multiple of d_model.")
+    instruction_tokens: int = Field(16, ge=1, description="Most instruction words kept.")
+    max_episode_steps: int = Field(
+        64, ge=1, description="Distinct step indices of the critic's step embedding."
+    )
+    detach_value: bool = Field(
+        True, description="The value loss trains only the critic head, not the backbone."
+    )
+
+    @model_validator(mode="after")
+    def _heads_divide_width(self) -> VLAModelConfig:
+        if self.d_model % self.heads:
+            raise ValueError(f"heads={self.heads} must divide d_model={self.d_model}")
+        return self
 
 
 class ChannelsConfig(_Section):
@@ -209,8 +336,10 @@ class SyncConfig(_Section):
     timeout_s: float = Field(
         60.0, gt=0, description="A receiver that takes no version within this is declared lost."
     )
-    precision: Literal["fp32", "bf16", "fp16"] | None = Field(
-        None, description="Generator precision, cast at the receiver; null keeps the trainer's."
+    precision: Literal["fp32", "bf16", "fp16", "int8", "fp8"] | None = Field(
+        None,
+        description="Generator precision, converted at the receiver (int8/fp8: weight-only, "
+        "per-row scales); null keeps the trainer's.",
     )
     bucket_mb: int = Field(256, ge=1, description="Largest bucket a transport moves at once.")
 
@@ -255,6 +384,11 @@ class LogConfig(_Section):
 class Config(_Section):
     """A whole run."""
 
+    workload: Literal["llm", "embodied"] = Field(
+        "llm",
+        description="llm: a language model on prompts (model, task, generator, rewarder); "
+        "embodied: a VLA policy in a simulator (env, rollout, inference, replay, vla).",
+    )
     mode: Literal["sync", "async"] = Field(
         "async", description="sync: generate, score, train, publish in turn; async: overlapped."
     )
@@ -264,7 +398,7 @@ class Config(_Section):
         description="RL steps: batches the trainer consumes (at most one optimizer step each).",
     )
     max_staleness: int = Field(
-        2, ge=0, description="Most policy versions a trained token may lag the trainer."
+        2, ge=0, description="Most policy versions a trained token (or env step) may lag."
     )
     run: RunConfig = RunConfig()
     model: ModelConfig = ModelConfig()
@@ -277,6 +411,23 @@ class Config(_Section):
     sync: SyncConfig = SyncConfig()
     ray: RayConfig = RayConfig()
     log: LogConfig = LogConfig()
+    env: EnvConfig = EnvConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    inference: InferenceConfig = InferenceConfig()
+    replay: ReplayConfig = ReplayConfig()
+    vla: VLAModelConfig = VLAModelConfig()
+
+    @model_validator(mode="after")
+    def _embodied_defaults(self) -> Config:
+        # One trainer section serves both workloads; only its loss default differs.
+        if self.workload == "embodied" and "loss" not in self.trainer.model_fields_set:
+            self.trainer.loss = "gipo"
+        if self.env.image_size % self.vla.patch_size:
+            raise ValueError(
+                f"env.image_size={self.env.image_size} must be a multiple of "
+                f"vla.patch_size={self.vla.patch_size}"
+            )
+        return self
 
 
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
@@ -334,6 +485,8 @@ def _describe(err: ValidationError) -> str:
         allowed = ", ".join(_fields_at(first["loc"][:-1]))
         return f"{where}: unknown key (allowed here: {allowed})"
     message = first["msg"].removeprefix("Value error, ")
+    if not where:  # a check across sections names its fields itself
+        return message
     more = f" (and {len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""
     return f"{where} = {value!r}: {message}{more}"
 
@@ -370,6 +523,8 @@ def reference_markdown() -> str:
 
 
 def _kind(annotation: Any) -> str:
+    if get_origin(annotation) is list:
+        return f"list of {_kind(get_args(annotation)[0])}"
     if get_origin(annotation) is Literal:
         return " or ".join(json.dumps(choice) for choice in get_args(annotation))
     if get_args(annotation):

@@ -73,14 +73,6 @@ class RolloutMeta:
 
 
 @dataclass
-class Weights:
-    """A versioned snapshot of policy parameters as named numpy arrays."""
-
-    version: int
-    tensors: dict[str, np.ndarray]
-
-
-@dataclass
 class Segment:
     """Up to L consecutive steps of one episode from one rollout worker (AcceRL's trajectory unit).
 

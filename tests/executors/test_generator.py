@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import torch
 from conftest import tiny_config
 
 from relayrl.executors.generator import Generator
@@ -67,3 +68,19 @@ def test_state_dict_round_trip_resumes_the_same_stream():
     _, next_b = b.generate()
     assert np.array_equal(next_a.tokens, next_b.tokens)
     assert np.array_equal(next_a.versions, next_b.versions)
+
+
+def test_an_int8_generator_serves_a_quantised_copy_of_the_trainers_weights():
+    cfg = tiny_config("sync.precision=int8", "generator.greedy=true")
+    trainer_side = Generator(tiny_config()).model.state_dict()
+    publisher = TRANSPORTS["shm"].Publisher(trainer_side, ["generator"])
+    gen = Generator(cfg)
+    gen.open_sync(publisher.address)
+    assert not gen.receiver.zero_copy
+    ticket = publisher.publish(3, trainer_side)
+    gen.update_weights(ticket)
+    stored = gen.model.model.layers[0].mlp.up_proj.parametrizations.weight.original
+    assert stored.dtype == torch.int8 and gen.version == 3
+    meta, batch = gen.generate()
+    assert meta.samples == len(batch) > 0 and np.all(batch.versions[batch.completion_mask] == 3)
+    publisher.close()

@@ -65,7 +65,7 @@ def kind(request, ray_session) -> str:
 def build(kind: str, names: list[str], precision: str | None = None, timeout_s: float = 20.0):
     mod = TRANSPORTS[kind]
     pub = mod.Publisher(trainer_tensors(0), names, timeout_s=timeout_s, bucket_bytes=1024)
-    dtype = {"bf16": torch.bfloat16, None: torch.float32}[precision]
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     rcvs = [
         mod.Receiver(make_model(dtype), [pub.address], n, precision=precision, timeout_s=timeout_s)
         for n in names
@@ -115,6 +115,37 @@ def test_receiver_casts_to_its_own_precision(kind: str) -> None:
         assert got[name].dtype == expected.dtype and torch.equal(got[name], expected)
     x = torch.randn(4, 7, dtype=torch.bfloat16)
     assert rcv.state.model(x).dtype == torch.bfloat16
+    pub.close()
+
+
+@pytest.mark.parametrize("precision, tolerance", [("int8", 0.02), ("fp8", 0.08)])
+def test_receiver_holds_a_weight_only_quantised_copy(kind: str, precision, tolerance) -> None:
+    """2-D weights stored quantised with row scales, dequantised on access; outputs stay close."""
+    pub, (rcv,) = build(kind, ["r0"], precision=precision)
+    tensors = trainer_tensors(6)
+    rcv.receive([pub.publish(6, tensors)])
+    pub.finish()
+    model = rcv.state.model
+    stored = model[0].parametrizations.weight.original
+    assert stored.dtype == {"int8": torch.int8, "fp8": torch.float8_e4m3fn}[precision]
+    for name, layer in (("0", model[0]), ("2", model[2])):
+        exact = tensors[f"{name}.weight"]
+        step = exact.abs().amax(dim=1, keepdim=True) / (127 if precision == "int8" else 448)
+        error = (layer.weight - exact).abs()
+        assert float((error / exact.abs().amax(dim=1, keepdim=True)).max()) < tolerance
+        if precision == "int8":
+            assert bool((error <= step / 2 + 1e-6).all())  # rounding to the nearest level
+        assert torch.equal(layer.bias, tensors[f"{name}.bias"])  # 1-D tensors stay exact
+    assert torch.equal(model.steps, tensors["steps"])
+    reference = make_model()
+    reference.load_state_dict(tensors)
+    x = torch.randn(16, 7)
+    with torch.no_grad():
+        got, want = model(x), reference(x)
+    assert float((got - want).norm() / want.norm()) < tolerance
+    wire = {s.name: s.nbytes for s in pub.layout.specs}
+    held = {s.name: s.nbytes for s in rcv.state.layouts[0].specs}
+    assert held["0.weight"] * 4 == wire["0.weight"] and held["0.bias"] == wire["0.bias"]
     pub.close()
 
 

@@ -10,20 +10,28 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from torch.nn.utils import parametrize
 
 ALIGN = 64  # bytes; every tensor starts on a cache line, so dtype views of the buffer are legal
 PRECISIONS: dict[str, torch.dtype] = {
     "fp32": torch.float32,
     "bf16": torch.bfloat16,
     "fp16": torch.float16,
-    "fp8": torch.float8_e4m3fn,
 }
+# Weight-only quantised copies: every 2-D floating tensor (linear and embedding weights) is held
+# in the storage dtype with one float32 scale per row (absmax / largest representable value) and
+# dequantised on access; 1-D tensors (norms, biases) keep the trainer's dtype.
+QUANTIZED: dict[str, tuple[torch.dtype, float]] = {
+    "int8": (torch.int8, 127.0),
+    "fp8": (torch.float8_e4m3fn, 448.0),
+}
+SCALE = "::scale"  # suffix of the name under which a quantised tensor's row scales travel
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -40,12 +48,42 @@ def parse_dtype(name: str) -> torch.dtype:
 
 
 def precision_dtype(precision: str | None) -> torch.dtype | None:
-    """The dtype a receiver holds its floating tensors in; None keeps the trainer's."""
-    if precision is None:
+    """The dtype a receiver holds its floating tensors in; None keeps the trainer's (and so do
+    the quantised precisions, for the tensors they leave unquantised)."""
+    if precision is None or precision in QUANTIZED:
         return None
     if precision not in PRECISIONS:
-        raise ValueError(f"precision={precision!r} is not one of {sorted(PRECISIONS)} or null")
+        allowed = sorted(PRECISIONS) + sorted(QUANTIZED)
+        raise ValueError(f"precision={precision!r} is not one of {allowed} or null")
     return PRECISIONS[precision]
+
+
+def _quantizable(spec: TensorSpec) -> bool:
+    return len(spec.shape) == 2 and parse_dtype(spec.dtype).is_floating_point
+
+
+class Dequantize(torch.nn.Module):
+    """Parametrization that turns a quantised weight and its row scales back into ``dtype``."""
+
+    def __init__(self, rows: int, dtype: torch.dtype):
+        super().__init__()
+        self.dtype = dtype
+        self.register_buffer("scale", torch.ones(rows, dtype=torch.float32))
+
+    def forward(self, stored: Tensor) -> Tensor:
+        """weight = stored * scale, per row."""
+        return (stored.to(torch.float32) * self.scale[:, None]).to(self.dtype)
+
+
+def quantize(tensor: Tensor, precision: str) -> tuple[Tensor, Tensor]:
+    """Symmetric per-row quantisation: (values in the storage dtype, float32 scales [rows])."""
+    dtype, largest = QUANTIZED[precision]
+    values = tensor.detach().to(torch.float32)
+    scale = values.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / largest
+    scaled = values / scale[:, None]
+    if not dtype.is_floating_point:
+        scaled = scaled.round()
+    return scaled.clamp(-largest, largest).to(dtype), scale
 
 
 @dataclass(frozen=True)
@@ -93,16 +131,20 @@ class Layout:
             buckets.append((start, offset))
         return cls(tuple(specs), offset, tuple(buckets))
 
-    def astype(self, dtype: torch.dtype | None) -> Layout:
-        """The same tensors with floating ones held in ``dtype`` (None: unchanged)."""
-        if dtype is None:
+    def astype(self, precision: str | None) -> Layout:
+        """The layout a receiver in ``precision`` holds (None: the trainer's own)."""
+        if precision is None:
             return self
-        fake = {
-            s.name: torch.empty(s.shape, dtype=parse_dtype(s.dtype), device="meta")
-            for s in self.specs
-        }
         bucket_bytes = max((end - start for start, end in self.buckets), default=1)
-        return Layout.of(fake, bucket_bytes=bucket_bytes, dtype=dtype)
+        fake: dict[str, Tensor] = {}
+        for s in self.specs:
+            dtype = parse_dtype(s.dtype)
+            if precision in QUANTIZED and _quantizable(s):
+                fake[s.name] = torch.empty(s.shape, dtype=QUANTIZED[precision][0], device="meta")
+                fake[s.name + SCALE] = torch.empty(s.shape[0], dtype=torch.float32, device="meta")
+            else:
+                fake[s.name] = torch.empty(s.shape, dtype=dtype, device="meta")
+        return Layout.of(fake, bucket_bytes=bucket_bytes, dtype=precision_dtype(precision))
 
     @property
     def names(self) -> list[str]:
@@ -157,10 +199,12 @@ class ReceiverState:
     """A receiver's weights: two slots, a serving lock, and an atomic swap between them.
 
     The model's tensors are bound to views of the active slot. A transport fills the other slot
-    (or, for zero-copy shared memory, points at a slot the trainer filled) and calls ``swap``,
-    which waits for forward passes in flight (``serving`` blocks) to finish, rebinds the model's
-    tensors and bumps the version. New forwards wait while a swap is pending, so a steady stream
-    of forward passes cannot starve it.
+    (``fill``, which casts or quantises into the receiver's precision; or, for zero-copy shared
+    memory, points at a slot the trainer filled) and calls ``swap``, which waits for forward
+    passes in flight (``serving`` blocks) to finish, rebinds the model's tensors and bumps the
+    version. New forwards wait while a swap is pending, so a steady stream of forward passes
+    cannot starve it. In a quantised precision (``int8``, ``fp8``) each 2-D weight becomes a
+    parametrization that dequantises the stored values with their row scales on access.
     """
 
     def __init__(
@@ -172,10 +216,11 @@ class ReceiverState:
         external_slots: Sequence[Sequence[Tensor]] | None = None,
     ):
         self.model = model
+        self.precision = precision
         self.wire_layouts = list(layouts)
-        self.layouts = [layout.astype(precision_dtype(precision)) for layout in layouts]
+        self.layouts = [layout.astype(precision) for layout in layouts]
         state = model.state_dict()
-        names = [n for layout in self.layouts for n in layout.names]
+        names = [s.name for layout in self.wire_layouts for s in layout.specs]
         if sorted(names) != sorted(state):
             missing = sorted(set(state) - set(names))
             extra = sorted(set(names) - set(state))
@@ -183,6 +228,14 @@ class ReceiverState:
                 f"the trainer's tensors do not match the receiver's model: "
                 f"model tensors not sent {missing[:5]}, sent tensors not in the model {extra[:5]}"
             )
+        self.quantized = (
+            {s.name for layout in self.wire_layouts for s in layout.specs if _quantizable(s)}
+            if precision in QUANTIZED
+            else set()
+        )
+        self._slots_for: dict[str, Callable[[Tensor], None]] = {}
+        for name in names:
+            self._bind_target(name, state[name])
         if external_slots is None:
             self.slots = [[layout.allocate() for layout in self.layouts] for _ in range(2)]
         else:
@@ -194,6 +247,23 @@ class ReceiverState:
         self._readers = 0
         self._swap_pending = False
 
+    def _bind_target(self, name: str, current: Tensor) -> None:
+        module, attr = _owner(self.model, name)
+        if name in self.quantized:
+            dequant = Dequantize(current.shape[0], current.dtype)
+            parametrize.register_parametrization(module, attr, dequant, unsafe=True)
+            stored = module.parametrizations[attr].original
+            stored.requires_grad_(False)
+            self._slots_for[name] = lambda view, p=stored: setattr(p, "data", view)
+            self._slots_for[name + SCALE] = lambda view, d=dequant: d._buffers.__setitem__(
+                "scale", view
+            )
+        elif attr in module._parameters:
+            param = module._parameters[attr]
+            self._slots_for[name] = lambda view, p=param: setattr(p, "data", view)
+        else:
+            self._slots_for[name] = lambda view, m=module, a=attr: m._buffers.__setitem__(a, view)
+
     def _merged_views(self, slot: Sequence[Tensor]) -> dict[str, Tensor]:
         views: dict[str, Tensor] = {}
         for layout, buffer in zip(self.layouts, slot, strict=True):
@@ -203,6 +273,18 @@ class ReceiverState:
     def staging(self) -> int:
         """Index of the slot that no forward pass reads, to fill with the next version."""
         return 1 if self.active == 0 else 0
+
+    def fill(self, slot: int, tensors: Mapping[str, Tensor]) -> None:
+        """Write the trainer's ``tensors`` into ``slot``, cast or quantised to this precision."""
+        views = self.views[slot]
+        with torch.no_grad():
+            for name, tensor in tensors.items():
+                if name in self.quantized:
+                    values, scale = quantize(tensor, self.precision)
+                    views[name].copy_(values)
+                    views[name + SCALE].copy_(scale)
+                else:
+                    views[name].copy_(tensor)
 
     @contextmanager
     def serving(self) -> Iterator[int]:
@@ -226,11 +308,7 @@ class ReceiverState:
             self._cond.wait_for(lambda: self._readers == 0)
             waited = time.perf_counter() - start
             for name, view in self.views[slot].items():
-                module, attr = _owner(self.model, name)
-                if attr in module._parameters:
-                    module._parameters[attr].data = view
-                else:
-                    module._buffers[attr] = view
+                self._slots_for[name](view)
             self.active, self.version = slot, version
             self._swap_pending = False
             self._cond.notify_all()

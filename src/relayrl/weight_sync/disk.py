@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from relayrl.weight_sync.base import ReceiverBase, ReceiveStats, Ticket
-from relayrl.weight_sync.buckets import Layout, copy_into
+from relayrl.weight_sync.buckets import Layout
 
 KEEP = 2  # newest files kept: a receiver may still be reading the older one
 
@@ -92,6 +92,6 @@ class Receiver(ReceiverBase):
 
         def fetch() -> None:
             for ticket in tickets:
-                copy_into(self.state.views[slot], load_file(ticket.payload))
+                self.state.fill(slot, load_file(ticket.payload))
 
         return self._timed(fetch, slot, version)

@@ -180,6 +180,6 @@ class Receiver(ReceiverBase):
                         f"{a['host']}:{a['port']} failed mid-transfer: {_first_line(e)}"
                     ) from e
                 if self.wire is not None:
-                    copy_into(self.state.views[slot], a["layout"].views(self.wire[i]))
+                    self.state.fill(slot, a["layout"].views(self.wire[i]))
 
         return self._timed(fetch, slot, version)

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from relayrl.weight_sync.base import ReceiverBase, ReceiveStats, Ticket
-from relayrl.weight_sync.buckets import Layout, copy_into, parse_dtype
+from relayrl.weight_sync.buckets import Layout, parse_dtype
 
 KEEP = 2  # versions whose objects stay referenced: a receiver may still be fetching the older one
 
@@ -97,6 +97,6 @@ class Receiver(ReceiverBase):
                         s.name: torch.from_numpy(arrays[s.name]).view(parse_dtype(s.dtype))
                         for s in a["layout"].specs
                     }
-                copy_into(self.state.views[slot], tensors)
+                self.state.fill(slot, tensors)
 
         return self._timed(fetch, slot, version)

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from relayrl.weight_sync.base import ReceiverBase, ReceiverLost, ReceiveStats, Ticket
-from relayrl.weight_sync.buckets import Layout, copy_into, precision_dtype
+from relayrl.weight_sync.buckets import Layout, copy_into
 
 EVICTED = -2  # written into a lost receiver's acknowledgement
 POLL_S = 0.0002
@@ -160,8 +160,7 @@ class Receiver(ReceiverBase):
             if name not in a["receivers"]:
                 raise ValueError(f"receiver {name!r} is not among the publisher's {a['receivers']}")
         self.index = [a["receivers"].index(name) for a in addresses]
-        dtype = precision_dtype(precision)
-        self.zero_copy = all(a["layout"].astype(dtype) == a["layout"] for a in addresses)
+        self.zero_copy = all(a["layout"].astype(precision) == a["layout"] for a in addresses)
         external = [[m[i] for m in self.maps] for i in range(2)] if self.zero_copy else None
         super().__init__(
             model,
@@ -198,7 +197,7 @@ class Receiver(ReceiverBase):
 
             def fetch() -> None:
                 for views, ticket in zip(self.wire_views, tickets, strict=True):
-                    copy_into(self.state.views[slot], views[ticket.payload[0]])
+                    self.state.fill(slot, views[ticket.payload[0]])
 
             stats = self._timed(fetch, slot, version)
         for header, index, ticket in zip(self.headers, self.index, tickets, strict=True):
