@@ -1,27 +1,44 @@
-"""The single controller: warm start, evaluate, RL in sync or async mode, evaluate, save.
+"""The single controller: evaluate, RL in sync or async mode, evaluate, save; for both workloads.
 
-Both modes drive the same three executors by name — ``generator.generate``, ``rewarder.score``,
+LLM: the loops drive three executors by name — ``generator.generate``, ``rewarder.score``,
 ``trainer.train_step``, ``trainer.publish`` and ``generator.update_weights`` — and pass Ray object
 references between them, so rollout tensors move executor to executor and never through here.
+
+Embodied: rollout workers step one env each and get actions from the inference service; segments
+reach ``trainer.train_step`` (sync: collected here in lockstep; async: streamed through the replay
+buffer, which the trainer pulls from), and ``trainer.publish`` feeds
+``inference_service.update_weights``. Both workloads share ``train()``: the run directory,
+metrics, progress bar, trace, plots, report, summary and failure handling.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import platform
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import ray
 
+from relayrl.algorithms.dwr import DynamicWeightedResampler
 from relayrl.channels.local import Channel
 from relayrl.config import Config, save_config
+from relayrl.envs.embodied import EmbodiedEnv
 from relayrl.launch import (
+    BufferSink,
+    EmbodiedExecutors,
     Executors,
+    ServiceClient,
+    build_env,
     connect_weight_sync,
+    place_embodied,
+    place_eval_workers,
     place_executors,
+    set_task_weights,
     start_ray,
     stop_executors,
 )
@@ -29,6 +46,7 @@ from relayrl.observability.metrics import MetricsLog, RunTally
 from relayrl.observability.plots import plot_learning_curve, plot_timeline
 from relayrl.observability.report import write_report
 from relayrl.observability.tracing import Span, busy_seconds, chrome_trace, write_trace
+from relayrl.types import Segment
 
 
 async def run_sync(cfg: Config, ex: Executors, tally: RunTally, log: MetricsLog) -> int:
@@ -48,7 +66,7 @@ async def run_sync(cfg: Config, ex: Executors, tally: RunTally, log: MetricsLog)
         tally.on_generated(meta.samples, meta.busy_s)
         tally.on_scored(score["busy_s"], score["errors"], score["timeouts"])
         if meta.samples:
-            await _log_step(cfg, ex, tally, log, metrics)
+            await _log_step(cfg, tally, log, metrics, functools.partial(_evaluate, ex))
     return 0
 
 
@@ -104,7 +122,7 @@ async def run_async(cfg: Config, ex: Executors, tally: RunTally, log: MetricsLog
             metrics = await ex.trainer.train_step.remote(scored_ref)
             if metrics["stepped"]:
                 ex.generator.update_weights.remote(ex.trainer.publish.remote())
-            await _log_step(cfg, ex, tally, log, metrics)
+            await _log_step(cfg, tally, log, metrics, functools.partial(_evaluate, ex))
             async with published:
                 published.notify_all()
     finally:
@@ -136,16 +154,93 @@ def _sync_summary(transport: str, trainer: dict, generator: dict) -> dict:
     }
 
 
-def train(cfg: Config, run_dir: Path) -> dict:
-    """Run a whole LLM job in ``run_dir`` and return its summary (also written to summary.json)."""
+async def run_lockstep(
+    cfg: Config,
+    ex: EmbodiedExecutors,
+    tally: RunTally,
+    log: MetricsLog,
+    dwr: DynamicWeightedResampler,
+) -> dict:
+    """Embodied sync: collect in lockstep, train, publish, one after the other; no overlap.
+
+    A round steps every worker with one batched forward pass for all observations until each has
+    closed one segment (L steps or the end of its episode); rounds repeat until the super-batch
+    holds ``replay.batch_steps`` env steps. No segment is left open between rounds, so every step
+    trained was chosen by the current weights: every lag is 0.
+    """
+    while tally.steps < cfg.steps:
+        start, segments = time.time(), []
+        while sum(len(s) for s in segments) < cfg.replay.batch_steps:
+            segments += await _lockstep(ex.workers, ex.inference_service, [1] * len(ex.workers))
+        tally.on_generated(sum(len(s) for s in segments), time.time() - start)
+        metrics = await ex.trainer.train_step.remote(segments)
+        await ex.inference_service.update_weights.remote(ex.trainer.publish.remote())
+        metrics |= await _episode_feedback(cfg, ex, dwr)
+        await _log_step(cfg, tally, log, metrics, functools.partial(_evaluate_embodied, cfg, ex))
+    return {"prefetched": 0, "occupancy": []}
+
+
+async def run_streaming(
+    cfg: Config,
+    ex: EmbodiedExecutors,
+    tally: RunTally,
+    log: MetricsLog,
+    dwr: DynamicWeightedResampler,
+) -> dict:
+    """Embodied async: workers, inference service and trainer each run their own loop.
+
+    Every worker loops observe -> ``inference_service.act`` (dynamically batched with the other
+    workers' requests) -> step, and puts each closed segment into the replay buffer. The trainer
+    prefetches super-batches from the buffer, which drops segments more than ``max_staleness``
+    versions old (the trainer checks again); after each step here the new weights go to the
+    inference service, which drains its forward pass in flight before swapping them in.
+    Returns the env steps of the super-batch prefetched but not trained, and the buffer occupancy
+    after each step.
+    """
+    ray.get(ex.trainer.attach_buffer.remote(ex.replay_buffer, cfg.replay.batch_steps))
+    service, sink = ServiceClient(ex.inference_service), BufferSink(ex.replay_buffer)
+    runs = [asyncio.ensure_future(w.run.remote(service, sink)) for w in ex.workers]
+    occupancy = []
+    while tally.steps < cfg.steps:
+        metrics = await _first_or_raise(ex.trainer.train_next.remote(), runs)
+        if metrics["stepped"]:
+            ex.inference_service.update_weights.remote(ex.trainer.publish.remote())
+        metrics |= await _episode_feedback(cfg, ex, dwr)
+        metrics["replay/occupancy"] = (await ex.replay_buffer.stats.remote())["occupancy"]
+        occupancy.append(metrics["replay/occupancy"])
+        await _log_step(cfg, tally, log, metrics, functools.partial(_evaluate_embodied, cfg, ex))
+    await asyncio.gather(*(w.stop.remote() for w in ex.workers))
+    await asyncio.gather(*runs)  # each run returns after its last put
+    # No more puts: closing the buffer ends a fetch still waiting, so what the trainer holds is
+    # exact.
+    await ex.replay_buffer.close.remote()
+    return {"prefetched": await ex.trainer.stop_prefetch.remote(), "occupancy": occupancy}
+
+
+EMBODIED_LOOPS = {"sync": run_lockstep, "async": run_streaming}
+
+
+def train(cfg: Config, run_dir: Path, make_env: Callable[[int], EmbodiedEnv] | None = None) -> dict:
+    """Run a whole job in ``run_dir`` and return its summary (also written to summary.json).
+
+    ``make_env`` (seed -> env) replaces the env that ``cfg.env`` describes in an embodied run.
+    """
     started = time.time()
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "config.yaml")
-    summary: dict = {"mode": cfg.mode, "status": "running", "run_dir": str(run_dir), "steps": 0}
+    summary: dict = {
+        "workload": cfg.workload,
+        "mode": cfg.mode,
+        "status": "running",
+        "run_dir": str(run_dir),
+        "steps": 0,
+    }
     _write_summary(run_dir, summary)
     start_ray(cfg)
-    ex = place_executors(cfg)
-    transport = connect_weight_sync(cfg, ex)
+    if cfg.workload == "llm":
+        ex = place_executors(cfg)
+    else:
+        ex = place_embodied(cfg, make_env or functools.partial(build_env, cfg.env))
     log = MetricsLog(
         run_dir,
         cfg.log.tensorboard,
@@ -154,26 +249,12 @@ def train(cfg: Config, run_dir: Path) -> dict:
         cfg.model_dump(mode="json"),
     )
     tally = RunTally(cfg.steps, cfg.log.progress)
-    rl_start = rl_end = time.time()
+    clock = {"rl_start": time.time(), "rl_end": time.time()}
     try:
-        warm = _warm_start(cfg, ex)
-        eval_start = asyncio.run(_evaluate(ex))
-        log.log(0, {**{f"eval/{k}": v for k, v in eval_start.items()}, **warm})
-        tally.start()
-        rl_start = time.time()
-        in_flight = asyncio.run(LOOPS[cfg.mode](cfg, ex, tally, log))
-        rl_end = time.time()
-        tally.close()
+        sections = JOBS[cfg.workload](cfg, ex, tally, log, clock)
         trace_start = time.time()
         spans = _collect_spans(ex, tally)
         trace_s = time.time() - trace_start
-        eval_end = asyncio.run(_evaluate(ex))
-        log.log(tally.steps, {f"eval/{k}": v for k, v in eval_end.items()})
-        checkpoint = ray.get(ex.trainer.save_pretrained.remote(str(run_dir / "checkpoint")))
-        pending = ray.get(ex.generator.stats.remote())["pending"]
-        sync = _sync_summary(
-            transport, *ray.get([ex.trainer.sync_stats.remote(), ex.generator.sync_stats.remote()])
-        )
     except BaseException as err:
         tally.close()
         status = "interrupted" if isinstance(err, KeyboardInterrupt) else "failed"
@@ -189,49 +270,38 @@ def train(cfg: Config, run_dir: Path) -> dict:
             },
         }
         _write_summary(run_dir, summary | partial)
+        window = (clock["rl_start"], time.time())
         with contextlib.suppress(Exception):  # best effort: the executors may be gone
-            _save_trace(run_dir, _collect_spans(ex, tally), started, (rl_start, time.time()), 0)
+            _save_trace(run_dir, _collect_spans(ex, tally), started, window, 0)
         with contextlib.suppress(Exception):
             write_report(run_dir)
         raise
     finally:
         log.close()
         stop_executors(ex)
+    rl_start, rl_end = clock["rl_start"], clock["rl_end"]
     rl_wall = rl_end - rl_start
     busy = {name: busy_seconds(b, rl_start, rl_end) / rl_wall for name, (b, _) in spans.items()}
     trace_start = time.time()
     trace, timeline = _save_trace(run_dir, spans, started, (rl_start, rl_end), tally.steps)
     trace_s += time.time() - trace_start
     plot = plot_learning_curve(log.path, run_dir / "learning_curve.png")
-    per_step = {name: sum(times) / tally.steps for name, times in _phase_times(tally).items()}
+    perf, checkpoint = sections.pop("perf"), sections.pop("checkpoint")
     summary = {
+        "workload": cfg.workload,
         "mode": cfg.mode,
         "status": "finished",
         "run_dir": str(run_dir),
         "wall_clock_s": time.time() - started,
         "steps": tally.steps,
         "updates": tally.updates,
-        "warm_start": warm,
-        "eval": {"start": eval_start, "end": eval_end},
+        **sections,
         "perf": {
             "step_time_s": rl_wall / tally.steps,
             "rl_wall_clock_s": rl_wall,
-            "busy": busy,
-            "phase_s_per_step": per_step,
-            "overlap_bound": sum(per_step.values()) / max(per_step.values()),
+            **perf,
+            "busy": busy | perf.get("busy", {}),
             "trace_write_s": trace_s,
-        },
-        "staleness": tally.staleness() | {"max_staleness": cfg.max_staleness},
-        "sync": sync,
-        "samples": {
-            "generated": tally.generated,
-            "trained": tally.trained,
-            "dropped_stale": tally.dropped_stale,
-            "in_flight": in_flight,
-            "accounted": tally.generated == tally.trained + tally.dropped_stale + in_flight,
-            "unfinished_partials": pending,
-            "score_errors": tally.score_errors,
-            "score_timeouts": tally.score_timeouts,
         },
         "artifacts": {
             "checkpoint": checkpoint,
@@ -247,6 +317,234 @@ def train(cfg: Config, run_dir: Path) -> dict:
     _write_summary(run_dir, summary)
     write_report(run_dir)
     return summary
+
+
+def _llm_job(
+    cfg: Config, ex: Executors, tally: RunTally, log: MetricsLog, clock: dict[str, float]
+) -> dict:
+    """Warm start, evaluate, RL, evaluate, checkpoint; returns the LLM sections of the summary."""
+    transport = connect_weight_sync(cfg, ex)
+    warm = _warm_start(cfg, ex)
+    eval_start = asyncio.run(_evaluate(ex))
+    log.log(0, {**{f"eval/{k}": v for k, v in eval_start.items()}, **warm})
+    tally.start()
+    clock["rl_start"] = time.time()
+    in_flight = asyncio.run(LOOPS[cfg.mode](cfg, ex, tally, log))
+    clock["rl_end"] = time.time()
+    tally.close()
+    eval_end = asyncio.run(_evaluate(ex))
+    log.log(tally.steps, {f"eval/{k}": v for k, v in eval_end.items()})
+    checkpoint = ray.get(ex.trainer.save_pretrained.remote(str(log.path.parent / "checkpoint")))
+    pending = ray.get(ex.generator.stats.remote())["pending"]
+    sync = _sync_summary(
+        transport, *ray.get([ex.trainer.sync_stats.remote(), ex.generator.sync_stats.remote()])
+    )
+    per_step = {name: sum(times) / tally.steps for name, times in _phase_times(tally).items()}
+    return {
+        "warm_start": warm,
+        "eval": {"start": eval_start, "end": eval_end},
+        "perf": {
+            "phase_s_per_step": per_step,
+            "overlap_bound": sum(per_step.values()) / max(per_step.values()),
+        },
+        "staleness": tally.staleness() | {"max_staleness": cfg.max_staleness},
+        "sync": sync,
+        "samples": {
+            "generated": tally.generated,
+            "trained": tally.trained,
+            "dropped_stale": tally.dropped_stale,
+            "in_flight": in_flight,
+            "accounted": tally.generated == tally.trained + tally.dropped_stale + in_flight,
+            "unfinished_partials": pending,
+            "score_errors": tally.score_errors,
+            "score_timeouts": tally.score_timeouts,
+        },
+        "checkpoint": checkpoint,
+    }
+
+
+def _embodied_job(
+    cfg: Config, ex: EmbodiedExecutors, tally: RunTally, log: MetricsLog, clock: dict[str, float]
+) -> dict:
+    """Publish version 0, evaluate, RL, evaluate, checkpoint; returns the embodied sections.
+
+    Samples are env steps: every step a worker took is trained, dropped (stale, evicted from a
+    full buffer, or lost with a crashed env's unfinished segment) or still in flight (resident in
+    the buffer, prefetched by the trainer, or in a worker's open segment).
+    """
+    transport = connect_weight_sync(cfg, ex)
+    ray.get(ex.inference_service.update_weights.remote(ex.trainer.publish.remote()))
+    eval_start = asyncio.run(_evaluate_embodied(cfg, ex))
+    log.log(0, {f"eval/{k}": v for k, v in eval_start.items() if k != "per_task"})
+    dwr = DynamicWeightedResampler(
+        ex.tasks, window=cfg.rollout.dwr_window, alpha=cfg.rollout.dwr_alpha, seed=cfg.run.seed
+    )
+    tally.start()
+    clock["rl_start"] = time.time()
+    loop = asyncio.run(EMBODIED_LOOPS[cfg.mode](cfg, ex, tally, log, dwr))
+    clock["rl_end"] = time.time()
+    tally.close()
+    rl_wall = clock["rl_end"] - clock["rl_start"]
+    eval_end = asyncio.run(_evaluate_embodied(cfg, ex))
+    log.log(tally.steps, {f"eval/{k}": v for k, v in eval_end.items() if k != "per_task"})
+    checkpoint = ray.get(ex.trainer.save_pretrained.remote(str(log.path.parent / "checkpoint")))
+    workers = ray.get([w.stats.remote() for w in ex.workers])
+    trainer, service, buffer = ray.get(
+        [
+            ex.trainer.stats.remote(),
+            ex.inference_service.stats.remote(),
+            ex.replay_buffer.stats.remote(),
+        ]
+    )
+    sync = _sync_summary(
+        transport,
+        *ray.get([ex.trainer.sync_stats.remote(), ex.inference_service.sync_stats.remote()]),
+    )
+    generated = sum(w["env_steps"] for w in workers)
+    dropped = {
+        "dropped_stale": trainer["dropped_stale"] + buffer["dropped_stale_steps"],
+        "dropped_overflow": buffer["dropped_overflow_steps"],
+        "dropped_error": sum(w["dropped_error_steps"] for w in workers),
+    }
+    in_flight = {
+        "resident": buffer["resident_steps"],
+        "prefetched": loop["prefetched"],
+        "open": sum(w["open_steps"] for w in workers),
+    }
+    tasks: dict[str, dict[str, float]] = {}
+    for w in workers:
+        for task, counts in w["tasks"].items():
+            mine = tasks.setdefault(task, {"episodes": 0, "successes": 0})
+            mine["episodes"] += counts["episodes"]
+            mine["successes"] += counts["successes"]
+    episodes = sum(t["episodes"] for t in tasks.values())
+    occupancy = loop["occupancy"]
+    return {
+        "eval": {"start": eval_start, "end": eval_end},
+        "rollout": {
+            "env_steps_per_s": trainer["trained"] / rl_wall,
+            "generated_env_steps_per_s": generated / rl_wall,
+            "episodes": episodes,
+            "success_rate": {
+                "overall": sum(t["successes"] for t in tasks.values()) / max(episodes, 1),
+                "per_task": {k: t["successes"] / max(t["episodes"], 1) for k, t in tasks.items()},
+            },
+            "env_errors": sum(w["env_errors"] for w in workers),
+            "last_errors": [e for w in workers for e in w["last_errors"]][-5:],
+            "workers": len(workers),
+        },
+        "perf": {
+            "busy": {"rollout_workers": sum(w["busy_s"] for w in workers) / len(workers) / rl_wall},
+            "inference": {
+                k: service[k]
+                for k in ("requests", "forwards", "mean_batch", "latency_ms_p50", "latency_ms_p95")
+            },
+        },
+        "staleness": tally.staleness() | {"max_staleness": cfg.max_staleness},
+        "replay": {
+            "capacity_steps": cfg.replay.capacity_steps,
+            "occupancy_mean": sum(occupancy) / max(len(occupancy), 1),
+            "occupancy_end": buffer["occupancy"],
+            "reader_wait_s": buffer["reader_wait_s"],
+        },
+        "dwr": {"enabled": cfg.rollout.dwr, "weights": dwr.weights()},
+        "sync": sync,
+        "samples": {
+            "unit": "env_steps",
+            "generated": generated,
+            "trained": trainer["trained"],
+            **dropped,
+            "in_flight": sum(in_flight.values()),
+            **{f"in_flight_{k}": v for k, v in in_flight.items()},
+            "accounted": generated
+            == trainer["trained"] + sum(dropped.values()) + sum(in_flight.values()),
+        },
+        "checkpoint": checkpoint,
+    }
+
+
+JOBS = {"llm": _llm_job, "embodied": _embodied_job}
+
+
+async def _lockstep(
+    workers: list, service, quotas: list[int], *, greedy: bool = False
+) -> list[Segment]:
+    """Step workers in lockstep, one batched forward pass per step for all of them, until worker
+    ``i`` has closed ``quotas[i]`` segments; returns the closed segments."""
+    closed: list[Segment] = []
+    left = list(quotas)
+    while any(n > 0 for n in left):
+        active = [i for i, n in enumerate(left) if n > 0]
+        observations = await asyncio.gather(*(workers[i].observe.remote() for i in active))
+        replies = await service.act_batch.remote(observations, greedy=greedy)
+        steps = [
+            workers[i].step.remote(r.actions, r.logprobs, r.value, r.version)
+            for i, r in zip(active, replies, strict=True)
+        ]
+        for i, segments in zip(active, await asyncio.gather(*steps), strict=True):
+            closed += segments
+            left[i] -= len(segments)
+    return closed
+
+
+async def _evaluate_embodied(cfg: Config, ex: EmbodiedExecutors) -> dict:
+    """Success rate of the inference service's policy on ``env.eval_episodes`` fresh episodes,
+    the same ones at every evaluation (played by freshly seeded evaluation workers)."""
+    start = time.time()
+    version = (await ex.inference_service.stats.remote())["version"]
+    workers = place_eval_workers(cfg, ex)
+    try:
+        n, k = cfg.env.eval_episodes, len(workers)
+        quotas = [n // k + (i < n % k) for i in range(k)]
+        await _lockstep(workers, ex.inference_service, quotas, greedy=cfg.env.eval_greedy)
+        results = [r for rs in ray.get([w.episode_results.remote() for w in workers]) for r in rs]
+    finally:
+        for worker in workers:
+            ray.kill(worker)
+    per_task: dict[str, list[bool]] = {}
+    for r in results:
+        per_task.setdefault(r.task, []).append(r.success)
+    rate = sum(r.success for r in results) / max(len(results), 1)
+    return {
+        "accuracy": rate,  # the name the report and learning curve read
+        "success_rate": rate,
+        "n": len(results),
+        "episode_len": sum(r.length for r in results) / max(len(results), 1),
+        "version": version,
+        "time_s": time.time() - start,
+        "per_task": {task: sum(s) / len(s) for task, s in per_task.items()},
+    }
+
+
+async def _episode_feedback(
+    cfg: Config, ex: EmbodiedExecutors, dwr: DynamicWeightedResampler
+) -> dict[str, float]:
+    """Drain the workers' finished episodes into DWR, push its weights to the workers' task
+    samplers, and return the rollout success rate of those episodes."""
+    drained = await asyncio.gather(*(w.episode_results.remote() for w in ex.workers))
+    results = [r for rs in drained for r in rs]
+    for r in results:
+        dwr.record(r.task, r.success)
+    if cfg.rollout.dwr and results:
+        weights = list(dwr.weights().values())
+        for worker in ex.workers:
+            worker.__ray_call__.remote(set_task_weights, weights)
+    out = {"rollout/episodes": float(len(results))}
+    if results:
+        out["rollout/success_rate"] = sum(r.success for r in results) / len(results)
+    return out
+
+
+async def _first_or_raise(ref: ray.ObjectRef, workers: list[asyncio.Future]):
+    """``await ref``, but re-raise at once if a worker loop died instead of waiting forever."""
+    main = asyncio.ensure_future(ref)
+    done, _ = await asyncio.wait({main, *workers}, return_when=asyncio.FIRST_COMPLETED)
+    for task in workers:
+        if task in done:
+            main.cancel()
+            task.result()
+            raise RuntimeError("a rollout worker's run loop returned before it was stopped")
+    return main.result()
 
 
 def _warm_start(cfg: Config, ex: Executors) -> dict:
@@ -266,15 +564,19 @@ def _warm_start(cfg: Config, ex: Executors) -> dict:
 
 
 async def _log_step(
-    cfg: Config, ex: Executors, tally: RunTally, log: MetricsLog, metrics: dict
+    cfg: Config,
+    tally: RunTally,
+    log: MetricsLog,
+    metrics: dict,
+    evaluate: Callable[[], Awaitable[dict]],
 ) -> None:
-    """Log a finished train step; every ``log.eval_every`` steps also evaluate held-out."""
+    """Log a finished train step; every ``log.eval_every`` steps also ``evaluate()``."""
     out = tally.on_trained(metrics)
     if tally.steps % cfg.log.every == 0 or tally.steps == cfg.steps:
         log.log(tally.steps, out)
     if cfg.log.eval_every and tally.steps % cfg.log.eval_every == 0 and tally.steps < cfg.steps:
-        result = await _evaluate(ex)
-        log.log(tally.steps, {f"eval/{k}": v for k, v in result.items()})
+        result = await evaluate()
+        log.log(tally.steps, {f"eval/{k}": v for k, v in result.items() if k != "per_task"})
 
 
 async def _get_or_raise(channel: Channel, workers: list[asyncio.Task]):
@@ -303,12 +605,16 @@ async def _evaluate(ex: Executors, split: str = "heldout") -> dict:
     }
 
 
-def _collect_spans(ex: Executors, tally: RunTally) -> dict[str, tuple[list[Span], list[Span]]]:
+def _collect_spans(
+    ex: Executors | EmbodiedExecutors, tally: RunTally
+) -> dict[str, tuple[list[Span], list[Span]]]:
     """Each executor's busy spans, and its waits: its own plus those the controller saw."""
-    traces = ray.get([handle.trace.remote() for handle in ex.all().values()], timeout=60)
+    traced = ex.traced()
+    traces = ray.get([handle.trace.remote() for handle in traced.values()], timeout=60)
+    seen = {name: idle.waits for name, idle in tally.idle.items()}
     return {
-        name: (busy, sorted(waits + tally.idle[name].waits, key=lambda s: s.start))
-        for name, (busy, waits) in zip(ex.all(), traces, strict=True)
+        name: (busy, sorted(waits + seen.get(name, []), key=lambda s: s.start))
+        for name, (busy, waits) in zip(traced, traces, strict=True)
     }
 
 

@@ -6,9 +6,11 @@ arrived, and answered by one forward pass. The service is an asyncio object: as 
 an async actor (Ray runs its methods as coroutines on one event loop), and the forward pass runs in
 a worker thread so that the loop keeps accepting requests while the policy computes.
 
-Weight swaps drain: ``set_weights`` waits for the forward pass in flight, holds new batches, loads
-the weights and bumps the version. Forward passes and weight loads take turns on one lock, so no
-forward ever runs on a mix of two versions, and every reply carries the version that computed it.
+Weight swaps drain: ``set_weights`` (weights passed in) and ``update_weights`` (a ticket of the
+trainer's weight-sync publisher, see ``relayrl.weight_sync``) wait for the forward pass in flight,
+hold new batches, load the weights and bump the version. Forward passes and weight loads take
+turns on one lock, so no forward ever runs on a mix of two versions, and every reply carries the
+version that computed it.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 
 from relayrl.envs.embodied import Observation
 from relayrl.observability.tracing import Span, Tracer
+from relayrl.weight_sync import TRANSPORTS, Ticket
 
 # Per-request latencies kept for percentiles; totals cover every request.
 LATENCY_WINDOW = 10_000
@@ -74,6 +77,7 @@ class InferenceService:
     long the oldest waiting request may wait for others before its batch is flushed anyway (0
     flushes whatever is waiting at once). ``version`` is the policy version of the initial weights.
     ``threads`` sets torch's intra-op threads for the forward pass (None leaves torch's setting).
+    ``sync_timeout_s`` bounds a weight-sync receive (see ``open_sync``).
     """
 
     name = "inference_service"
@@ -86,6 +90,7 @@ class InferenceService:
         max_wait_ms: float = 2.0,
         version: int = 0,
         threads: int | None = None,
+        sync_timeout_s: float = 60.0,
     ):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
@@ -105,6 +110,9 @@ class InferenceService:
         self._arrived: asyncio.Event | None = None
         self._model_lock: asyncio.Lock | None = None
         self._batcher: asyncio.Task | None = None
+        self.sync_timeout_s = sync_timeout_s
+        self.receiver = None
+        self.sync_receive: list[float] = []  # per received publish, in order
         self._reset_counters()
 
     async def act(self, obs: Observation) -> ActReply:
@@ -143,6 +151,44 @@ class InferenceService:
                 )
                 self.version = version
         return self.version
+
+    async def open_sync(self, address: dict, name: str = "inference_service") -> None:
+        """Attach a weight-sync receiver to the trainer's publisher at ``address``."""
+        self.receiver = TRANSPORTS[address["kind"]].Receiver(
+            self.policy, [address], name, timeout_s=self.sync_timeout_s
+        )
+
+    async def connect_sync(self) -> None:
+        """Rendezvous with the publisher (it calls its ``connect_sync`` meanwhile)."""
+        await asyncio.get_running_loop().run_in_executor(self._executor, self.receiver.connect)
+
+    async def update_weights(self, ticket: Ticket) -> int:
+        """Take the published version of ``ticket``, draining like ``set_weights``; returns it."""
+        if self.receiver is None:
+            raise RuntimeError("call open_sync() before update_weights()")
+        if ticket.version < self.version:
+            raise ValueError(
+                f"version must not go backwards: got {ticket.version}, have {self.version}"
+            )
+        self._ensure_batcher()
+        async with self._model_lock:
+            with self.tracer.span("update_weights", ticket.version):
+                stats = await asyncio.get_running_loop().run_in_executor(
+                    self._executor, self.receiver.receive, [ticket]
+                )
+                self.version = ticket.version
+        self.sync_receive.append(stats.total_s)
+        return self.version
+
+    async def sync_stats(self) -> dict:
+        """Receiver-side seconds of every receive, in order, from ticket to serving it."""
+        return {"receive_s": list(self.sync_receive)}
+
+    async def node(self) -> tuple[str, str]:
+        """The Ray node id and IP address this service runs on (inside a Ray actor)."""
+        import ray  # the service also runs without Ray, in tests and benchmarks
+
+        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
 
     async def stats(self) -> dict:
         """Counters since the last ``reset_stats``: requests, forwards, busy seconds, the batch-size
