@@ -130,7 +130,8 @@ def test_value_depends_on_the_step_and_clips_it() -> None:
     model = make(DISCRETE, max_episode_steps=10)
     images, instructions, _ = inputs(1)
     ids = model.tokenize(instructions[:1])
-    value = {s: float(model(images, ids, torch.tensor([s]))[1]) for s in (0, 5, 10, 50)}
+    with torch.no_grad():
+        value = {s: float(model(images, ids, torch.tensor([s]))[1]) for s in (0, 5, 10, 50)}
     assert value[0] != value[5]
     assert value[10] == value[50]
 
@@ -159,9 +160,6 @@ def test_tokenize_rejects_a_single_string() -> None:
 
 def test_instruction_changes_the_policy() -> None:
     model = make(DISCRETE)
-    with torch.no_grad():
-        for film in model.films:
-            film.weight.mul_(10)
     images, _, steps = inputs(2)
     images = images[:1].expand(2, -1, -1, -1, -1)
     logits, _ = model(images, model.tokenize(["go to the red ball", "go to the blue key"]), steps)
@@ -204,4 +202,4 @@ def test_same_seed_same_model_and_samples() -> None:
 def test_default_config_parameter_count() -> None:
     # The BabyAI default; the count changes only when a size knob or the vocabulary does.
     model = VLAPolicy(VLAConfig())
-    assert sum(p.numel() for p in model.parameters()) == 144164
+    assert sum(p.numel() for p in model.parameters()) == 211172

@@ -11,9 +11,13 @@ Architecture, in the order data flows:
    residual 3x3 convolutions, each modulated by FiLM (per-channel scale and shift) from the mean of
    the instruction's word embeddings. Conditioning the pixels on the instruction early, with
    orthogonal init, is what made a GoTo agent learn in minutes where adding the instruction
-   vector late did not learn at all.
-3. Backbone: a pre-norm transformer encoder over [instruction tokens, image patch tokens of every
-   view, D action queries].
+   vector late did not learn at all. Each view yields its patch tokens plus one summary token, a
+   linear map of the whole flattened feature map: where a patch sits is built into that token, so
+   the action queries can use the target's position from the first update, before attention has
+   learned where to look (with small position embeddings and uniform attention a query sees only
+   the mean of the patches).
+3. Backbone: a pre-norm transformer encoder over [instruction tokens, image patch and summary
+   tokens of every view, D action queries].
 4. Action head, slimmed to the action vocabulary: D learned action queries (one per action
    dimension) read the fused sequence through the backbone, and one shared linear layer maps each
    query's state to ``action_vocab`` logits. Queries rather than one linear head per dimension keep
@@ -66,7 +70,7 @@ class VLAConfig:
     """FiLM-conditioned residual 3x3 convolutions after the patch stem."""
     d_model: int = 64
     """Width of the transformer backbone."""
-    layers: int = 2
+    layers: int = 1
     """Transformer encoder layers."""
     heads: int = 4
     """Attention heads (backbone and value head); must divide ``d_model``."""
@@ -121,6 +125,8 @@ class VLAPolicy(nn.Module):
         self.films = nn.ModuleList(nn.Linear(d, 2 * c) for _ in range(cfg.conv_layers))
         self.patch_proj = nn.Linear(c, d)
         self.patch_position = nn.Parameter(torch.zeros(cfg.views * grid * grid, d))
+        self.summary = nn.Linear(grid * grid * c, d)
+        self.summary_position = nn.Parameter(torch.zeros(cfg.views, d))
         self.action_queries = nn.Parameter(torch.zeros(cfg.action_dims, d))
         layer = nn.TransformerEncoderLayer(
             d, cfg.heads, cfg.ff_mult * d, dropout=0.0, batch_first=True, norm_first=True
@@ -141,19 +147,19 @@ class VLAPolicy(nn.Module):
 
     def _init_weights(self) -> None:
         """Orthogonal init (gain sqrt 2 before ReLUs) and a near-uniform initial policy."""
-        for module in [self.stem, *self.convs, self.patch_proj]:
+        for module in [self.stem, *self.convs, self.patch_proj, self.summary]:
             nn.init.orthogonal_(module.weight, gain=math.sqrt(2))
             nn.init.zeros_(module.bias)
         for film in self.films:
-            # Small FiLM weights start every layer near the identity modulation (scale 1, shift 0).
-            nn.init.orthogonal_(film.weight, gain=0.1)
+            nn.init.orthogonal_(film.weight)
             nn.init.zeros_(film.bias)
         for module in self.backbone.modules():
             if isinstance(module, nn.Linear):
                 nn.init.orthogonal_(module.weight)
                 nn.init.zeros_(module.bias)
-        for param in (self.word_position, self.patch_position, self.action_queries):
-            nn.init.normal_(param, std=0.02)
+        positions = (self.word_position, self.patch_position, self.summary_position)
+        for param in (*positions, self.action_queries):
+            nn.init.normal_(param, std=1.0)
         nn.init.orthogonal_(self.action_head.weight, gain=0.01)
         nn.init.zeros_(self.action_head.bias)
 
@@ -221,8 +227,9 @@ class VLAPolicy(nn.Module):
         return logprobs, entropy, values
 
     def _encode_images(self, images: Tensor, mission: Tensor) -> Tensor:
-        """Patch tokens [B, V * g * g, d] from images uint8 [B, V, H, W, 3] and the instruction
-        summary [B, d] that modulates every convolution."""
+        """Image tokens [B, V * (g * g + 1), d] (the patches of every view, then one summary token
+        per view) from images uint8 [B, V, H, W, 3] and the instruction summary [B, d] that
+        modulates every convolution."""
         batch, views = images.shape[:2]
         x = images.flatten(0, 1).permute(0, 3, 1, 2).float() / 255.0
         x = torch.relu(self.stem(x))
@@ -230,8 +237,10 @@ class VLAPolicy(nn.Module):
             scale, shift = film(mission).repeat_interleave(views, 0).chunk(2, dim=-1)
             h = conv(x) * (1 + scale[..., None, None]) + shift[..., None, None]
             x = x + torch.relu(h)
-        x = x.flatten(2).transpose(1, 2).reshape(batch, -1, x.shape[1])
-        return self.patch_proj(x) + self.patch_position
+        summary = torch.relu(self.summary(x.flatten(1))).view(batch, views, -1)
+        patches = x.flatten(2).transpose(1, 2).reshape(batch, -1, x.shape[1])
+        patches = self.patch_proj(patches) + self.patch_position
+        return torch.cat([patches, summary + self.summary_position], dim=1)
 
     def _check_inputs(self, images: Tensor, instruction_ids: Tensor, steps: Tensor) -> None:
         """Raise a ValueError naming the argument when an input has the wrong shape or dtype."""
