@@ -23,6 +23,7 @@ SMALL = [
     "env.image_size=28",
     "env.max_steps=12",
     "env.eval_episodes=4",
+    "env.eval_workers=2",
     "vla.patch_size=4",
     "vla.channels=8",
     "vla.d_model=16",

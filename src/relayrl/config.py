@@ -240,7 +240,10 @@ class EnvConfig(_Section):
     latency_mean_ms: float = Field(10.0, gt=0, description="Mean of the latency sleep.")
     latency_sigma: float = Field(1.0, ge=0, description="lognormal latency: sigma of the log.")
     eval_episodes: int = Field(
-        64, ge=1, description="Fresh episodes per evaluation (the same ones at every evaluation)."
+        64, ge=1, description="Fresh episodes per evaluation, never trained on."
+    )
+    eval_workers: int = Field(
+        4, ge=1, description="Rollout workers that play the evaluation episodes in lockstep."
     )
     eval_greedy: bool = Field(
         False,

@@ -36,7 +36,6 @@ from relayrl.launch import (
     build_env,
     connect_weight_sync,
     place_embodied,
-    place_eval_workers,
     place_executors,
     set_task_weights,
     start_ray,
@@ -197,7 +196,7 @@ async def run_streaming(
     Returns the env steps of the super-batch prefetched but not trained, and the buffer occupancy
     after each step.
     """
-    ray.get(ex.trainer.attach_buffer.remote(ex.replay_buffer, cfg.replay.batch_steps))
+    await ex.trainer.attach_buffer.remote(ex.replay_buffer, cfg.replay.batch_steps)
     service, sink = ServiceClient(ex.inference_service), BufferSink(ex.replay_buffer)
     runs = [asyncio.ensure_future(w.run.remote(service, sink)) for w in ex.workers]
     occupancy = []
@@ -489,18 +488,16 @@ async def _lockstep(
 
 async def _evaluate_embodied(cfg: Config, ex: EmbodiedExecutors) -> dict:
     """Success rate of the inference service's policy on ``env.eval_episodes`` fresh episodes,
-    the same ones at every evaluation (played by freshly seeded evaluation workers)."""
+    played in lockstep by the evaluators (whose episodes are never trained on)."""
     start = time.time()
     version = (await ex.inference_service.stats.remote())["version"]
-    workers = place_eval_workers(cfg, ex)
-    try:
-        n, k = cfg.env.eval_episodes, len(workers)
-        quotas = [n // k + (i < n % k) for i in range(k)]
-        await _lockstep(workers, ex.inference_service, quotas, greedy=cfg.env.eval_greedy)
-        results = [r for rs in ray.get([w.episode_results.remote() for w in workers]) for r in rs]
-    finally:
-        for worker in workers:
-            ray.kill(worker)
+    workers = ex.evaluators
+    n, k = cfg.env.eval_episodes, len(workers)
+    quotas = [n // k + (i < n % k) for i in range(k)]
+    await _lockstep(workers, ex.inference_service, quotas, greedy=cfg.env.eval_greedy)
+    results = [
+        r for rs in await asyncio.gather(*(w.episode_results.remote() for w in workers)) for r in rs
+    ]
     per_task: dict[str, list[bool]] = {}
     for r in results:
         per_task.setdefault(r.task, []).append(r.success)

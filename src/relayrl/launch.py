@@ -60,13 +60,14 @@ class EmbodiedExecutors:
     inference_service: Any
     replay_buffer: Any
     workers: list[Any]
+    evaluators: list[Any]  # rollout workers that play evaluation episodes only
     tasks: tuple[str, ...]  # the tasks episodes are drawn from
-    make_env: Callable[[int], EmbodiedEnv]  # seed -> env, for evaluation workers
 
     def all(self) -> dict[str, Any]:
         """Every actor by name."""
         workers = {f"rollout_worker_{i}": w for i, w in enumerate(self.workers)}
-        return {**self.traced(), "replay_buffer": self.replay_buffer, **workers}
+        evaluators = {f"evaluator_{i}": w for i, w in enumerate(self.evaluators)}
+        return {**self.traced(), "replay_buffer": self.replay_buffer, **workers, **evaluators}
 
     def traced(self) -> dict[str, Any]:
         """The executors that record spans."""
@@ -274,10 +275,12 @@ def vla_config(cfg: Config, views: int, dims: int, vocab: int) -> VLAConfig:
 
 
 def place_embodied(cfg: Config, make_env: Callable[[int], EmbodiedEnv]) -> EmbodiedExecutors:
-    """Create the trainer, inference service, replay buffer and rollout workers.
+    """Create the trainer, inference service, replay buffer, rollout workers and evaluators.
 
     One env is built here first to learn its views, action space and tasks. Each worker gets its
-    own seed and a factory it rebuilds its env with after a crash.
+    own seed and a factory it rebuilds its env with after a crash. Evaluators are rollout workers
+    of their own seeds, so evaluation episodes are never trained on; in an evaluator a whole
+    episode is one segment.
     """
     probe = make_env(cfg.run.seed)
     try:
@@ -293,19 +296,23 @@ def place_embodied(cfg: Config, make_env: Callable[[int], EmbodiedEnv]) -> Embod
     vla = vla_config(cfg, views, space.dims, space.vocab)
     actor = ray.remote(num_cpus=0, max_restarts=0)
     seed = cfg.run.seed
-    workers = [
-        actor(RolloutWorker)
-        .options(max_concurrency=2)  # stop(), stats() and task weights are served while run() loops
-        .remote(
-            i,
-            functools.partial(make_env, seed + 1000 * (i + 1)),
-            segment_len=cfg.rollout.segment_len,
-            seed=seed + i,
-            task_sampler=TaskSampler(tasks, seed + i),
-            max_consecutive_errors=cfg.rollout.max_consecutive_errors,
+
+    def worker(i: int, seed: int, segment_len: int) -> Any:
+        return (
+            actor(RolloutWorker)
+            .options(max_concurrency=2)  # stop(), stats(), task weights served while run() loops
+            .remote(
+                i,
+                functools.partial(make_env, seed + 1000),
+                segment_len=segment_len,
+                seed=seed,
+                task_sampler=TaskSampler(tasks, seed),
+                max_consecutive_errors=cfg.rollout.max_consecutive_errors,
+            )
         )
-        for i in range(cfg.rollout.workers)
-    ]
+
+    workers = [worker(i, seed + 1 + i, cfg.rollout.segment_len) for i in range(cfg.rollout.workers)]
+    evaluators = [worker(i, seed + 10**6 + i, 10**9) for i in range(cfg.env.eval_workers)]
     return EmbodiedExecutors(
         trainer=actor(VLATrainer).remote(cfg, vla),
         # Its initial weights are replaced by the trainer's version 0 before the first action.
@@ -321,25 +328,6 @@ def place_embodied(cfg: Config, make_env: Callable[[int], EmbodiedEnv]) -> Embod
         .options(max_concurrency=4)
         .remote(cfg.replay.capacity_steps, max_staleness=cfg.max_staleness),
         workers=workers,
+        evaluators=evaluators,
         tasks=tasks,
-        make_env=make_env,
     )
-
-
-def place_eval_workers(cfg: Config, ex: EmbodiedExecutors) -> list[Any]:
-    """Rollout workers for an evaluation, seeded alike every time so that every evaluation plays
-    the same episodes; a whole episode is one segment."""
-    actor = ray.remote(num_cpus=0, max_restarts=0)
-    base = cfg.run.seed + 10**6
-    count = min(cfg.rollout.workers, cfg.env.eval_episodes)
-    return [
-        actor(RolloutWorker).remote(
-            i,
-            functools.partial(ex.make_env, base + 1000 * (i + 1)),
-            segment_len=10**9,
-            seed=base + i,
-            task_sampler=TaskSampler(ex.tasks, base + i),
-            max_consecutive_errors=cfg.rollout.max_consecutive_errors,
-        )
-        for i in range(count)
-    ]
