@@ -387,11 +387,6 @@ class LogConfig(_Section):
 class Config(_Section):
     """A whole run."""
 
-    workload: Literal["llm", "embodied"] = Field(
-        "llm",
-        description="llm: a language model on prompts (model, task, generator, rewarder); "
-        "embodied: a VLA policy in a simulator (env, rollout, inference, replay, vla).",
-    )
     mode: Literal["sync", "async"] = Field(
         "async", description="sync: generate, score, train, publish in turn; async: overlapped."
     )
@@ -402,6 +397,11 @@ class Config(_Section):
     )
     max_staleness: int = Field(
         2, ge=0, description="Most policy versions a trained token (or env step) may lag."
+    )
+    workload: Literal["llm", "embodied"] = Field(
+        "llm",
+        description="llm: a language model on prompts (model, task, generator, rewarder); "
+        "embodied: a VLA policy in a simulator (env, rollout, inference, replay, vla).",
     )
     run: RunConfig = RunConfig()
     model: ModelConfig = ModelConfig()
