@@ -12,6 +12,7 @@ the previous version still in flight.
 from __future__ import annotations
 
 import datetime
+import re
 import time
 import warnings
 from collections.abc import Mapping, Sequence
@@ -31,6 +32,10 @@ def _pair(store: dist.Store, receiver: str, rank: int, timeout_s: float) -> dist
     """The two-process gloo group between a publisher (rank 0) and ``receiver`` (rank 1)."""
     prefixed = dist.PrefixStore(f"relayrl/sync/{receiver}", store)
     return dist.ProcessGroupGloo(prefixed, rank, 2, datetime.timedelta(seconds=timeout_s))
+
+
+def _ready_key(receiver: str) -> str:
+    return f"relayrl/sync/ready/{receiver}"
 
 
 def _broadcast(group: dist.ProcessGroup, tensor: Tensor) -> dist.Work:
@@ -54,19 +59,21 @@ class Publisher:
         bucket_bytes: int = 256 << 20,
         host: str = "127.0.0.1",
         backend: str = "gloo",
+        connect_timeout_s: float = 300.0,
     ):
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r} is not one of {BACKENDS}: CPU-only build")
         self.layout = Layout.of(tensors, bucket_bytes=bucket_bytes)
         self.receivers = list(receivers)
         self.timeout_s = timeout_s
+        self.connect_timeout_s = connect_timeout_s
         self.shard = shard
         self.store = dist.TCPStore(
             host,
             0,
             is_master=True,
             wait_for_workers=False,
-            timeout=datetime.timedelta(seconds=timeout_s),
+            timeout=datetime.timedelta(seconds=connect_timeout_s),
         )
         self.host = host
         self.buffer = self.layout.allocate()
@@ -87,12 +94,18 @@ class Publisher:
         }
 
     def connect(self) -> None:
-        """Form the pair with every receiver (each receiver calls its ``connect`` meanwhile)."""
+        """Form the pair with every receiver (each receiver calls its ``connect`` meanwhile).
+
+        Both sides first meet in the store (waiting up to ``connect_timeout_s``: receivers may
+        still be starting), so the pair itself forms at once and ``timeout_s`` bounds transfers.
+        """
+        wait = datetime.timedelta(seconds=self.connect_timeout_s)
         for name in self.receivers:
             try:
+                self.store.wait([_ready_key(name)], wait)
                 self.groups[name] = _pair(self.store, name, 0, self.timeout_s)
             except RuntimeError as e:
-                self._lose(name, f"did not connect within {self.timeout_s:g} s ({_first_line(e)})")
+                self._lose(name, f"did not connect ({_first_line(e)})")
 
     def publish(self, version: int, tensors: Mapping[str, Tensor]) -> Ticket:
         """Pack ``tensors`` and start sending them to every live receiver; returns the ticket."""
@@ -131,7 +144,12 @@ class Publisher:
 
 
 def _first_line(error: BaseException) -> str:
-    return str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__
+    """Gloo's message without its source location and boilerplate advice."""
+    text = str(error).strip()
+    if not text:
+        return type(error).__name__
+    line = re.sub(r"^\[[^\]]*\.(cc|h|cpp):\d+\]\s*", "", text.splitlines()[0])
+    return line.split(". This is typically")[0][:300]
 
 
 class Receiver(ReceiverBase):
@@ -147,8 +165,10 @@ class Receiver(ReceiverBase):
         *,
         precision: str | None = None,
         timeout_s: float = 60.0,
+        connect_timeout_s: float = 300.0,
     ):
         super().__init__(model, addresses, name, precision=precision, timeout_s=timeout_s)
+        self.connect_timeout_s = connect_timeout_s
         casting = self.state.layouts != self.state.wire_layouts
         self.wire = [a["layout"].allocate() for a in self.addresses] if casting else None
         self.groups: list[dist.ProcessGroup] = []
@@ -156,8 +176,9 @@ class Receiver(ReceiverBase):
     def connect(self) -> None:
         """Join the pair of every trainer shard."""
         for a in self.addresses:
-            timeout = datetime.timedelta(seconds=self.timeout_s)
+            timeout = datetime.timedelta(seconds=self.connect_timeout_s)
             store = dist.TCPStore(a["host"], a["port"], is_master=False, timeout=timeout)
+            store.set(_ready_key(self.name), "1")
             self.groups.append(_pair(store, self.name, 1, self.timeout_s))
 
     def receive(self, tickets: Sequence[Ticket]) -> ReceiveStats:
