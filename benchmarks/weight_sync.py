@@ -11,6 +11,9 @@ Per publish it measures:
 - the bytes moved, and in the same run a plain ``copy_`` of those bytes in this process: the
   memcpy reference. Effective bandwidth = model bytes / time until served.
 
+The disk baseline runs twice: ``disk`` fsyncs every checkpoint before the trainer carries on (a
+checkpoint on disk), ``disk_cache`` does not (the file may live in the page cache only).
+
 The first publish of each configuration warms up (page faults, connections); the median of the
 rest is reported. Configurations that would not fit in memory are skipped and listed as such.
 A linear fit of time against bytes per transport (1 receiver) reports the slope and R^2.
@@ -48,7 +51,16 @@ from relayrl.weight_sync import TRANSPORTS  # noqa: E402
 SIZES = {"10M": (256, 2), "100M": (768, 11), "1B": (2048, 19)}  # hidden size, layers
 VOCAB = 16384
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-ORDER = ["shm", "dist", "object_store", "disk"]
+# benchmark name -> (transport, publisher options); "disk" fsyncs each checkpoint (durable),
+# "disk_cache" leaves it in the page cache: the fastest any file-based sync can be
+VARIANTS = {
+    "shm": ("shm", {}),
+    "dist": ("dist", {}),
+    "object_store": ("object_store", {}),
+    "disk": ("disk", {"durable": True}),
+    "disk_cache": ("disk", {"durable": False}),
+}
+ORDER = list(VARIANTS)
 
 
 def shapes(size: str) -> dict[str, tuple[int, ...]]:
@@ -141,7 +153,7 @@ def extra_bytes(transport: str, nbytes: int, receivers: int) -> int:
         "dist": nbytes + receiver_slots,
         "object_store": 2 * nbytes + receiver_slots,
         "disk": receiver_slots + nbytes * receivers,
-    }[transport] + receivers * (400 << 20)
+    }[VARIANTS[transport][0]] + receivers * (400 << 20)
 
 
 def run_one(
@@ -151,7 +163,8 @@ def run_one(
     tensors = trainer_tensors(size, DTYPES[dtype])
     names = [f"r{i}" for i in range(receivers)]
     actors = [BenchReceiver.remote(size, dtype) for _ in names]
-    pub = TRANSPORTS[transport].Publisher(tensors, names, timeout_s=timeout_s)
+    kind, options = VARIANTS[transport]
+    pub = TRANSPORTS[kind].Publisher(tensors, names, timeout_s=timeout_s, **options)
     try:
         pairs = zip(actors, names, strict=True)
         opened = [a.open.remote(pub.address, n, timeout_s) for a, n in pairs]
@@ -294,11 +307,12 @@ def ratios(rows: list[dict]) -> dict:
 
     out: dict = {}
     for dtype in DTYPES:
-        disk = find("disk", "1B", dtype, 1)
-        for fast in ("shm", "dist"):
-            row = find(fast, "1B", dtype, 1)
-            if disk and row:
-                out[f"disk_over_{fast}_1B_{dtype}"] = disk["served_s"] / row["served_s"]
+        for slow in ("disk", "disk_cache"):
+            base = find(slow, "1B", dtype, 1)
+            for fast in ("shm", "dist"):
+                row = find(fast, "1B", dtype, 1)
+                if base and row:
+                    out[f"{slow}_over_{fast}_1B_{dtype}"] = base["served_s"] / row["served_s"]
         for transport in ("shm", "dist"):
             for size in SIZES:
                 one, four = find(transport, size, dtype, 1), find(transport, size, dtype, 4)

@@ -300,3 +300,18 @@ def test_bad_input_names_the_problem(ray_session) -> None:
     with pytest.raises(ValueError, match="'shm' publisher given to a 'disk' receiver"):
         TRANSPORTS["disk"].Receiver(make_model(), [pub.address], "r0")
     pub.close()
+
+
+def test_disk_without_fsync_delivers_the_same_and_keeps_two_files(tmp_path) -> None:
+    mod = TRANSPORTS["disk"]
+    pub = mod.Publisher(trainer_tensors(0), ["r0"], directory=str(tmp_path), durable=False)
+    rcv = mod.Receiver(make_model(), [pub.address], "r0")
+    for version in (1, 2, 3):
+        rcv.receive([pub.publish(version, trainer_tensors(version))])
+    got = rcv.state.model.state_dict()
+    assert all(torch.equal(got[n], t) for n, t in trainer_tensors(3).items())
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "shard0-v2.safetensors",
+        "shard0-v3.safetensors",
+    ]
+    pub.close()

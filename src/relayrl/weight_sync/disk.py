@@ -1,7 +1,12 @@
 """Checkpoint files, the other baseline users know: the trainer writes a safetensors file per
 version (to a temporary name, then renamed, so a reader never sees half a file) and each receiver
-reloads it into its staging slot. Files go through the page cache with no fsync, which makes this
-baseline as fast as a disk checkpoint can be."""
+reloads it into its staging slot.
+
+With ``durable=True`` (the default) the file is fsynced before the ticket is handed out, so the
+checkpoint is on disk when the trainer carries on, as a checkpoint is meant to be. With
+``durable=False`` it may still sit in the page cache only; the receivers then read it from
+memory, which is the fastest a file-based sync can be (and loses the file on a crash).
+"""
 
 from __future__ import annotations
 
@@ -34,11 +39,13 @@ class Publisher:
         shard: int = 0,
         bucket_bytes: int = 256 << 20,
         directory: str | None = None,
+        durable: bool = True,
     ):
         self.layout = Layout.of(tensors, bucket_bytes=bucket_bytes)
         self.receivers = list(receivers)
         self.timeout_s = timeout_s
         self.shard = shard
+        self.durable = durable
         self._tmp = None if directory else tempfile.TemporaryDirectory(prefix="relayrl-sync-")
         self.directory = directory or self._tmp.name
         os.makedirs(self.directory, exist_ok=True)
@@ -59,7 +66,11 @@ class Publisher:
         self.layout.check(tensors)
         path = os.path.join(self.directory, f"shard{self.shard}-v{version}.safetensors")
         save_file({n: t.detach().contiguous() for n, t in tensors.items()}, path + ".tmp")
+        if self.durable:
+            _fsync(path + ".tmp")
         os.replace(path + ".tmp", path)
+        if self.durable:
+            _fsync(self.directory)
         self._files.append(path)
         while len(self._files) > KEEP:
             os.unlink(self._files.pop(0))
@@ -78,6 +89,14 @@ class Publisher:
         self._files = []
         if self._tmp is not None:
             self._tmp.cleanup()
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 class Receiver(ReceiverBase):
