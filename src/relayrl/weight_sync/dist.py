@@ -78,6 +78,10 @@ class Publisher:
         self.host = host
         self.buffer = self.layout.allocate()
         self.views = self.layout.views(self.buffer)
+        self._bucket_names = [
+            [s.name for s in self.layout.specs if begin <= s.offset < end]
+            for begin, end in self.layout.buckets
+        ]
         self.groups: dict[str, dist.ProcessGroup] = {}
         self.lost: dict[str, str] = {}
         self._pending: list[tuple[str, dist.Work]] = []
@@ -108,14 +112,18 @@ class Publisher:
                 self._lose(name, f"did not connect ({_first_line(e)})")
 
     def publish(self, version: int, tensors: Mapping[str, Tensor]) -> Ticket:
-        """Pack ``tensors`` and start sending them to every live receiver; returns the ticket."""
+        """Pack ``tensors`` and start sending them to every live receiver; returns the ticket.
+
+        Each bucket is sent as soon as it is packed, so packing the next one overlaps the
+        transfer of this one.
+        """
         start = time.perf_counter()
         self.finish()
         self.layout.check(tensors)
-        copy_into(self.views, tensors)
-        for name, group in self.groups.items():
-            for begin, end in self.layout.buckets:
-                self._pending.append((name, _broadcast(group, self.buffer[begin:end])))
+        for (begin, end), names in zip(self.layout.buckets, self._bucket_names, strict=True):
+            copy_into(self.views, {name: tensors[name] for name in names})
+            for receiver, group in self.groups.items():
+                self._pending.append((receiver, _broadcast(group, self.buffer[begin:end])))
         stall = time.perf_counter() - start
         return Ticket(self.kind, self.shard, version, None, stall, self.layout.nbytes)
 
