@@ -13,8 +13,12 @@ window after a warm-up:
 - per-request latency as a caller sees it (the Ray round trip: queue, forward, transport), mean,
   p50 and p95, and the service's own latency (queue wait plus forward) and queue wait;
 - the batch-size distribution of the forward passes and their mean, the forward time per batch;
-- the service's busy fraction (forward passes) and CPU use (its process CPU seconds per second),
-  and the whole machine's CPU use (``/proc/stat``), to see where the CPU saturates.
+- the service's busy fraction (its forward spans inside the window) and CPU use (its process CPU
+  seconds per second), and the whole machine's CPU use (``/proc/stat``), to see where the CPU
+  saturates.
+
+Each service first answers one full batch and one request, so torch's first calls stay out of the
+windows.
 
 Run from the repository root::
 
@@ -53,6 +57,7 @@ from relayrl.envs.latency import DELAYS  # noqa: E402
 from relayrl.executors.inference_service import InferenceService  # noqa: E402
 from relayrl.launch import build_env, start_ray, vla_config  # noqa: E402
 from relayrl.models.vla import VLAPolicy  # noqa: E402
+from relayrl.observability.tracing import busy_seconds  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 NAME = "inference_service"
@@ -106,7 +111,9 @@ def main(argv: list[str] | None = None) -> int:
                 VLAPolicy(vla), max_batch=max_batch, max_wait_ms=max_wait_ms, threads=threads
             )
             try:
-                ray.get(service.reset_stats.remote())  # started
+                # Torch's first calls on each batch shape are slow: keep them out of the windows.
+                ray.get(service.act_batch.remote(observations[:max_batch]))
+                ray.get(service.act.remote(observations[0]))
                 for n in args.callers:
                     print(
                         f"[{NAME}] max_batch={max_batch} max_wait_ms={max_wait_ms:g}: {n} callers",
@@ -265,6 +272,7 @@ def measure(service, callers: list, warmup: float, duration: float) -> dict:
     stats = ray.get(service.stats.remote())
     service_cpu = ray.get(service.__ray_call__.remote(_process_cpu_s)) - service_cpu_before
     stats_window = time.time() - reset_at
+    forward_spans = [s for s in ray.get(service.trace.remote())[0] if s.name == "forward"]
     cpu_after = machine_cpu()
     forwards = stats["forwards"]
     return {
@@ -279,13 +287,24 @@ def measure(service, callers: list, warmup: float, duration: float) -> dict:
             "queue_ms_mean": stats["queue_ms_mean"],
             "forwards": forwards,
             "forward_ms_mean": 1e3 * stats["busy_s"] / forwards if forwards else 0.0,
-            "busy": stats["busy_s"] / stats_window,
+            "busy": busy_seconds(forward_spans, start_at, end_at) / duration,
             "cpu": service_cpu / stats_window,
         },
         "batch_sizes": {str(size): count for size, count in stats["batch_sizes"].items()},
         "mean_batch": stats["mean_batch"],
+        "batch_p50": batch_percentile(stats["batch_sizes"], 50),
+        "batch_max": max(stats["batch_sizes"], default=0),
         "machine_cpu": cpu_fraction(cpu_before, cpu_after),
     }
+
+
+def batch_percentile(hist: dict[int, int], q: float) -> int:
+    """The ``q``-th percentile (0-100) of the forward passes' batch sizes, from their histogram."""
+    sizes = sorted(hist)
+    if not sizes:
+        return 0
+    counts = np.cumsum([hist[size] for size in sizes])
+    return sizes[int(np.searchsorted(counts, q / 100.0 * counts[-1]))]
 
 
 def _process_cpu_s(_service: InferenceService) -> float:
@@ -389,7 +408,8 @@ def plot(result: dict, path: Path) -> Path:
 def markdown_table(result: dict) -> str:
     """A table and footer lines to paste into docs/benchmarks.md."""
     lines = [
-        "| max_batch / max_wait | callers | requests/s | mean batch | round trip mean / p50 / p95 "
+        "| max_batch / max_wait | callers | requests/s | batch mean / p50 / max "
+        "| round trip mean / p50 / p95 "
         "(ms) | service queue (ms) | forward (ms) | service busy / CPU | machine CPU |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
@@ -398,7 +418,8 @@ def markdown_table(result: dict) -> str:
         machine_cpu = "n/a" if p["machine_cpu"] is None else f"{p['machine_cpu']:.2f}"
         lines.append(
             f"| {p['max_batch']} / {p['max_wait_ms']:g} ms | {p['callers']} "
-            f"| {p['requests_per_s']:.0f} | {p['mean_batch']:.1f} "
+            f"| {p['requests_per_s']:.0f} "
+            f"| {p['mean_batch']:.1f} / {p['batch_p50']} / {p['batch_max']} "
             f"| {lat['mean']:.1f} / {lat['p50']:.1f} / {lat['p95']:.1f} "
             f"| {service['queue_ms_mean']:.1f} | {service['forward_ms_mean']:.1f} "
             f"| {service['busy']:.2f} / {service['cpu']:.2f} | {machine_cpu} |"
