@@ -17,7 +17,8 @@ For each run it reports
   trainer step, per second (from ``metrics.jsonl``): the rate once the pipeline is full;
 - ``perf.busy``: the fraction of the RL window the trainer and the inference service spent
   working, and the rollout workers' mean fraction spent inside their env (latency sleep included);
-- the inference service's mean batch and per-request latency, staleness, env-step accounting.
+- the inference service's mean batch and p95 per-request latency (over the whole run: the
+  evaluations' lockstep batches are counted too), staleness, env-step accounting.
 
 Per worker count it derives the async / sync ratio of both rates, and a compute-free latency bound
 for each mode: async ``W / mean delay`` (every worker always stepping), sync ``W / E[max of W
@@ -299,7 +300,7 @@ def plot(result: dict, path: Path) -> Path:
         )
         bound = [p["latency_bound_env_steps_per_s"][mode] for p in points]
         if None not in bound:
-            left.plot(workers, bound, ":", color=color, label=f"{mode}: latency bound")
+            left.plot(workers, bound, "x:", color=color, label=f"{mode}: latency bound")
     left.set_xscale("log", base=2)
     left.set_yscale("log")
     left.set_xticks(workers, [str(w) for w in workers])
