@@ -197,6 +197,19 @@ def run_one(
             ray.kill(actor)
         del tensors
         gc.collect()
+        settle_memory()
+
+
+def settle_memory(timeout_s: float = 20.0) -> None:
+    """Wait until killed receiver processes have handed their memory back (it is asynchronous)."""
+    deadline = time.monotonic() + timeout_s
+    last = available_bytes()
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        now = available_bytes()
+        if now - last < 64 << 20:
+            return
+        last = now
 
 
 def summarize(one: dict, memcpy: float) -> dict:

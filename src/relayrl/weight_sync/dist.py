@@ -200,9 +200,10 @@ class Receiver(ReceiverBase):
         def fetch() -> None:
             for i, (a, group) in enumerate(zip(self.addresses, self.groups, strict=True)):
                 target = self.state.slots[slot][i] if self.wire is None else self.wire[i]
-                try:
-                    for begin, end in a["layout"].buckets:
-                        _broadcast(group, target[begin:end]).wait(timeout)
+                try:  # post every bucket's receive at once, so the sender never waits on us
+                    works = [_broadcast(group, target[b:e]) for b, e in a["layout"].buckets]
+                    for work in works:
+                        work.wait(timeout)
                 except RuntimeError as e:
                     raise RuntimeError(
                         f"receiver {self.name!r}: trainer shard {a['shard']} at "
