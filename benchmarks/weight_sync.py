@@ -195,7 +195,7 @@ def run_one(
         pub.close()
         for actor in actors:
             ray.kill(actor)
-        del tensors
+        del tensors, pub, actors  # shm mappings and buffers go with the publisher
         gc.collect()
         settle_memory()
 

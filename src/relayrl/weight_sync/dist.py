@@ -16,6 +16,7 @@ import re
 import time
 import warnings
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -78,10 +79,8 @@ class Publisher:
         self.host = host
         self.buffer = self.layout.allocate()
         self.views = self.layout.views(self.buffer)
-        self._bucket_names = [
-            [s.name for s in self.layout.specs if begin <= s.offset < end]
-            for begin, end in self.layout.buckets
-        ]
+        self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="relayrl-sync")
+        self._issuing: Future | None = None
         self.groups: dict[str, dist.ProcessGroup] = {}
         self.lost: dict[str, str] = {}
         self._pending: list[tuple[str, dist.Work]] = []
@@ -114,22 +113,29 @@ class Publisher:
     def publish(self, version: int, tensors: Mapping[str, Tensor]) -> Ticket:
         """Pack ``tensors`` and start sending them to every live receiver; returns the ticket.
 
-        Each bucket is sent as soon as it is packed, so packing the next one overlaps the
-        transfer of this one.
+        The trainer waits for the pack (one copy) only: a sender thread issues the sends, so
+        the stall does not grow with the number of receivers.
         """
         start = time.perf_counter()
         self.finish()
         self.layout.check(tensors)
-        for (begin, end), names in zip(self.layout.buckets, self._bucket_names, strict=True):
-            copy_into(self.views, {name: tensors[name] for name in names})
-            for receiver, group in self.groups.items():
-                self._pending.append((receiver, _broadcast(group, self.buffer[begin:end])))
+        copy_into(self.views, tensors)
+        self._issuing = self._sender.submit(self._issue, list(self.groups.items()))
         stall = time.perf_counter() - start
         return Ticket(self.kind, self.shard, version, None, stall, self.layout.nbytes)
+
+    def _issue(self, groups: list[tuple[str, dist.ProcessGroup]]) -> list[tuple[str, dist.Work]]:
+        return [
+            (receiver, _broadcast(group, self.buffer[begin:end]))
+            for begin, end in self.layout.buckets
+            for receiver, group in groups
+        ]
 
     def finish(self, timeout_s: float | None = None) -> dict[str, str]:
         """Wait for the sends in flight; returns the receivers lost so far."""
         timeout = datetime.timedelta(seconds=timeout_s or self.timeout_s)
+        if self._issuing is not None:
+            self._pending, self._issuing = self._issuing.result(), None
         for name, work in self._pending:
             if name in self.lost:
                 continue
@@ -147,8 +153,9 @@ class Publisher:
 
     def close(self) -> None:
         """Drop the pairs and the store."""
+        self._sender.shutdown(wait=True)
         self.groups.clear()
-        self._pending = []
+        self._pending, self._issuing = [], None
 
 
 def _first_line(error: BaseException) -> str:
