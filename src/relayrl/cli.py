@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 from pathlib import Path
@@ -98,12 +99,20 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = (
         Path(args.run_dir) if args.run_dir else Path(cfg.run.out_dir) / f"{cfg.run.name}-{stamp}"
     )
+    # asyncio.run's own Ctrl-C handler only cancels the loop's main task, which then waits on the
+    # tasks it cancels; once a run ignored two Ctrl-Cs that way. Raising at once in the main
+    # thread (and so out of the event loop) makes one Ctrl-C stop the run.
+    signal.signal(signal.SIGINT, _interrupt)
     try:
         run_training(cfg, run_dir)
     except KeyboardInterrupt:
         print(f"relayrl: interrupted; partial results in {run_dir}", file=sys.stderr)
         return 130
     return 0
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def _eval(args: argparse.Namespace) -> int:
