@@ -293,3 +293,34 @@ def test_as_ray_actors_workers_stream_through_the_service_into_the_buffer(ray_se
     assert max(batch_sizes) == 2  # the two workers' requests shared forward passes
     for handle in (service, buffer, *workers):
         ray.kill(handle)
+
+
+class ThreadRecordingEnv(ScriptedEnv):
+    """Records the thread of every call: GL-rendering envs must stay on one thread."""
+
+    def __init__(self):
+        super().__init__()
+        self.threads = {threading.get_ident()}
+
+    def reset(self, **kwargs):
+        self.threads.add(threading.get_ident())
+        return super().reset(**kwargs)
+
+    def step(self, action):
+        self.threads.add(threading.get_ident())
+        return super().step(action)
+
+
+def test_every_env_call_runs_on_one_thread_whoever_calls_the_worker():
+    """A threaded Ray actor serves calls from several threads; the env must not notice."""
+    envs = []
+    worker = RolloutWorker(
+        0, lambda: envs.append(ThreadRecordingEnv()) or envs[-1], segment_len=3, seed=0
+    )
+    for _ in range(3):
+        thread = threading.Thread(target=drive, args=(worker, 4))
+        thread.start()
+        thread.join()
+    drive(worker, 4)
+    assert len(envs) == 1 and len(envs[0].threads) == 1
+    assert threading.get_ident() not in envs[0].threads

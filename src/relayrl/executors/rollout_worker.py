@@ -22,7 +22,9 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -95,7 +97,7 @@ class RolloutWorker:
         self.segment_len = segment_len
         self.task_sampler = task_sampler
         self.max_consecutive_errors = max_consecutive_errors
-        self.env = make_env()
+        self.env = _EnvThread(make_env)
         self._rng = random.Random(seed)
         self._obs: Observation | None = None  # None: the next observe() resets
         self._open: _OpenSegment | None = None
@@ -327,7 +329,36 @@ class RolloutWorker:
                 f"rollout worker {self.worker_id}: {self._consecutive_errors} env errors in a row "
                 f"(max_consecutive_errors={self.max_consecutive_errors}); last: {where}: {err!r}"
             ) from err
-        self.env = self.make_env()
+        self.env = _EnvThread(self.make_env)
+
+
+class _EnvThread:
+    """One env whose every call runs on one thread of its own.
+
+    GL contexts (MuJoCo's EGL renderer in MetaWorld and LIBERO) belong to the thread that made
+    them current, and a threaded Ray actor serves calls from any thread of its pool.
+    """
+
+    def __init__(self, make_env: Callable[[], EmbodiedEnv]):
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="relayrl-env")
+        self.env = self._thread.submit(make_env).result()
+        self.action_space = self.env.action_space
+        self.tasks = self.env.tasks
+
+    def reset(self, **kwargs: Any) -> Observation:
+        """``env.reset`` on the env's thread."""
+        return self._thread.submit(self.env.reset, **kwargs).result()
+
+    def step(self, action: Any) -> StepResult:
+        """``env.step`` on the env's thread."""
+        return self._thread.submit(self.env.step, action).result()
+
+    def close(self) -> None:
+        """``env.close`` on the env's thread, then stop the thread."""
+        try:
+            self._thread.submit(self.env.close).result()
+        finally:
+            self._thread.shutdown(wait=False)
 
 
 def _copy_image(obs: Observation) -> np.ndarray:
