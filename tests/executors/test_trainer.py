@@ -73,7 +73,7 @@ def test_a_step_changes_parameters_and_bumps_the_version():
     ticket = trainer.publish()
     assert ticket.version == 1 and ticket.bytes >= sum(p.numel() * 4 for p in before)
     assert trainer.sync_stats() == {"stall_s": [ticket.stall_s], "lost": {}}
-    trainer.publisher.close()
+    trainer.sync.publisher.close()
 
 
 def test_all_equal_rewards_give_no_gradient_signal():

@@ -44,6 +44,7 @@ from relayrl.models.vla import VLAConfig, VLAPolicy
 from relayrl.observability.tracing import Span, Tracer
 from relayrl.types import Segment
 from relayrl.weight_sync import TRANSPORTS, Ticket
+from relayrl.weight_sync.base import TrainerSide
 
 
 @dataclass
@@ -144,8 +145,7 @@ class VLATrainer:
         self.tracer = Tracer(self.name)
         self.trained = 0  # env steps
         self.dropped_stale = 0
-        self.publisher = None
-        self.sync_stalls: list[float] = []
+        self.sync = TrainerSide(timeout_s=cfg.sync.timeout_s, bucket_bytes=cfg.sync.bucket_mb << 20)
         self._prefetch: Prefetcher | None = None
 
     def advantages(self, segments: list[Segment]) -> dict[str, Any]:
@@ -305,29 +305,16 @@ class VLATrainer:
 
     def open_sync(self, transport: str, receivers: list[str], host: str = "127.0.0.1") -> dict:
         """Create the weight-sync publisher; returns the address receivers attach to."""
-        sc = self.cfg.sync
-        options = {"host": host} if transport == "dist" else {}
-        self.publisher = TRANSPORTS[transport].Publisher(
-            self.policy.state_dict(),
-            receivers,
-            timeout_s=sc.timeout_s,
-            bucket_bytes=sc.bucket_mb << 20,
-            **options,
-        )
-        return self.publisher.address
+        return self.sync.open(TRANSPORTS[transport], self.policy.state_dict(), receivers, host)
 
     def connect_sync(self) -> None:
         """Rendezvous with the receivers (they call their ``connect_sync`` meanwhile)."""
-        self.publisher.connect()
+        self.sync.publisher.connect()
 
     def publish(self) -> Ticket:
         """Publish the current weights as the current version; returns the receivers' ticket."""
-        if self.publisher is None:
-            raise RuntimeError("call open_sync() before publish()")
         with self.tracer.span("publish", self.version):
-            ticket = self.publisher.publish(self.version, self.policy.state_dict())
-        self.sync_stalls.append(ticket.stall_s)
-        return ticket
+            return self.sync.publish(self.version, self.policy.state_dict())
 
     def node(self) -> tuple[str, str]:
         """The Ray node id and IP address this executor runs on."""
@@ -335,8 +322,7 @@ class VLATrainer:
 
     def sync_stats(self) -> dict:
         """Trainer-side stall of every publish, in order, and the receivers lost."""
-        lost = self.publisher.finish() if self.publisher is not None else {}
-        return {"stall_s": list(self.sync_stalls), "lost": lost}
+        return self.sync.stats()
 
     def save_pretrained(self, path: str) -> str:
         """Save ``model.safetensors`` and ``vla_config.json`` (``VLAPolicy(VLAConfig(**json))``

@@ -124,3 +124,40 @@ class ReceiverBase:
         fetched = time.perf_counter()
         drain = self.state.swap(slot, version)
         return ReceiveStats(version, fetched - start, drain, time.perf_counter() - start)
+
+
+class TrainerSide:
+    """A trainer's end of weight sync: its publisher and the stall of every publish, in order."""
+
+    def __init__(self, *, timeout_s: float, bucket_bytes: int):
+        self.timeout_s = timeout_s
+        self.bucket_bytes = bucket_bytes
+        self.publisher: Any = None
+        self.stalls: list[float] = []
+
+    def open(
+        self, transport: Any, tensors: dict[str, torch.Tensor], receivers: list[str], host: str
+    ) -> dict[str, Any]:
+        """Create the publisher of ``transport`` (a ``TRANSPORTS`` entry); returns its address."""
+        options = {"host": host} if transport.Publisher.kind == "dist" else {}
+        self.publisher = transport.Publisher(
+            tensors,
+            receivers,
+            timeout_s=self.timeout_s,
+            bucket_bytes=self.bucket_bytes,
+            **options,
+        )
+        return self.publisher.address
+
+    def publish(self, version: int, tensors: dict[str, torch.Tensor]) -> Ticket:
+        """Publish ``tensors`` as ``version`` and record the stall."""
+        if self.publisher is None:
+            raise RuntimeError("call open_sync() before publish()")
+        ticket = self.publisher.publish(version, tensors)
+        self.stalls.append(ticket.stall_s)
+        return ticket
+
+    def stats(self) -> dict:
+        """Trainer-side stall of every publish, in order, and the receivers lost."""
+        lost = self.publisher.finish() if self.publisher is not None else {}
+        return {"stall_s": list(self.stalls), "lost": lost}
