@@ -113,6 +113,8 @@ def test_undetached_value_loss_reaches_the_backbone() -> None:
     _, values = model(images, model.tokenize(instructions), steps)
     values.pow(2).sum().backward()
     assert model.stem.weight.grad is not None and model.stem.weight.grad.abs().sum() > 0
+    # the critic reads the policy's logits but never trains the action head through them
+    assert all(p.grad is None or not p.grad.any() for p in model.action_head.parameters())
 
 
 def test_policy_loss_reaches_the_encoder_and_not_the_critic() -> None:

@@ -12,8 +12,9 @@ a small MLP maps the pooled vector to a scalar value. Two things condition the q
 - the episode step (clipped to ``max_steps``), so that the critic can see how much of the time
   limit is left, which matters for truncated episodes.
 
-With ``detach=True`` the hidden states and logits are detached first, so the value loss trains only
-this head and never pulls the shared backbone away from what the actor needs.
+The action logits are always detached: the critic reads the actor's intent but its loss must never
+move the policy's head. With ``detach=True`` the hidden states are detached too, so the value loss
+trains only this head and never pulls the shared backbone away from what the actor needs.
 """
 
 from __future__ import annotations
@@ -60,8 +61,8 @@ class ActionAwareValueHead(nn.Module):
         """Values [B] from hidden [B, N, d], padding [B, N] (true = ignore), logits [B, D, vocab]
         and steps [B] (int, clipped to ``max_steps``)."""
         if self.detach:
-            hidden, action_logits = hidden.detach(), action_logits.detach()
-        probs = action_logits.softmax(dim=-1)
+            hidden = hidden.detach()
+        probs = action_logits.detach().softmax(dim=-1)
         intent = torch.einsum("bdv,dvm->bm", probs, self.action_embedding)
         step = self.step_embedding(steps.long().clamp(0, self.max_steps))
         query = (self.query + intent + step).unsqueeze(1)
