@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -45,16 +45,6 @@ class ReceiveStats:
     fetch_s: float  # moving bytes into the staging slot (0 for a zero-copy swap)
     drain_s: float  # waiting for forward passes in flight before the swap
     total_s: float
-    extra: dict[str, float] = field(default_factory=dict)
-
-
-def timed_receive(fetch: Any, state: Any, slot: int, version: int) -> ReceiveStats:
-    """Run ``fetch()`` (fill ``slot``), then swap it in; the timing every receiver reports."""
-    start = time.perf_counter()
-    fetch()
-    fetched = time.perf_counter()
-    drain = state.swap(slot, version)
-    return ReceiveStats(version, fetched - start, drain, time.perf_counter() - start)
 
 
 class ReceiverBase:
