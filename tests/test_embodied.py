@@ -127,3 +127,34 @@ def test_the_blind_control_sees_one_constant_instruction():
     assert obs.instruction == BLIND_INSTRUCTION and obs.image.shape == (1, 28, 28, 3)
     assert env.step(2).obs.instruction == BLIND_INSTRUCTION
     env.close()
+
+
+def test_curriculum_opens_stages_in_order_and_evaluation_plays_only_eval_tasks(
+    ray_session, tmp_path
+):
+    easy, hard = "BabyAI-GoToLocalS5N2-v0", "BabyAI-GoToLocalS6N3-v0"
+    cfg = tiny_config(
+        *SMALL,
+        "mode=sync",
+        f"env.tasks=[{easy},{hard}]",
+        f"env.eval_tasks=[{hard}]",
+        "rollout.curriculum=true",
+        "rollout.curriculum_max_steps=2",
+    )
+    summary = train(cfg, tmp_path / "run")
+    check_books(summary)
+    assert summary["curriculum"]["enabled"] and summary["curriculum"]["stage"] == hard
+    assert summary["curriculum"]["opened_at_step"] == {easy: 0, hard: 2}
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    assert [m["curriculum/stage"] for m in metrics if "curriculum/stage" in m] == [0, 1, 1]
+    assert set(summary["eval"]["start"]["per_task"]) == {hard}
+    assert set(summary["eval"]["end"]["per_task"]) == {hard}
+
+
+def test_a_closed_stage_is_never_played(ray_session, tmp_path):
+    easy, hard = "BabyAI-GoToLocalS5N2-v0", "BabyAI-GoToLocalS6N3-v0"
+    cfg = tiny_config(*SMALL, "mode=async", f"env.tasks=[{easy},{hard}]", "rollout.curriculum=true")
+    summary = train(cfg, tmp_path / "run")
+    check_books(summary)
+    assert summary["curriculum"]["stage"] == easy  # tiny run: never solved, no step budget
+    assert set(summary["rollout"]["success_rate"]["per_task"]) == {easy}

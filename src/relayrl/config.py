@@ -245,6 +245,10 @@ class EnvConfig(_Section):
     eval_workers: int = Field(
         4, ge=1, description="Rollout workers that play the evaluation episodes in lockstep."
     )
+    eval_tasks: list[str] | None = Field(
+        None,
+        description="Tasks the evaluations play (drawn uniformly); null plays all of the env's.",
+    )
     eval_greedy: bool = Field(
         False,
         description="Evaluate the most likely action instead of a sampled one; a memoryless "
@@ -267,6 +271,28 @@ class RolloutConfig(_Section):
     )
     dwr_window: int = Field(50, ge=1, description="DWR: recent episodes per task that count.")
     dwr_alpha: float = Field(1.0, gt=0, description="DWR: Laplace smoothing of failure rates.")
+    curriculum: bool = Field(
+        False,
+        description="The env's tasks are stages in order: training starts on the first and the "
+        "next opens when the newest is solved (or over its step budget); opened stages stay.",
+    )
+    curriculum_promote_at: float = Field(
+        0.8, gt=0, le=1, description="Curriculum: success over the window that opens the next."
+    )
+    curriculum_window: int = Field(
+        200, ge=1, description="Curriculum: recent episodes of the newest stage that count."
+    )
+    curriculum_review: float = Field(
+        0.1,
+        ge=0,
+        le=1,
+        description="Curriculum: weight of the earlier open stages relative to the newest.",
+    )
+    curriculum_max_steps: int = Field(
+        0,
+        ge=0,
+        description="Curriculum: trainer steps after which the next stage opens anyway (0: none).",
+    )
 
 
 class InferenceConfig(_Section):

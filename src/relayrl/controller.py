@@ -24,6 +24,7 @@ from pathlib import Path
 
 import ray
 
+from relayrl.algorithms.curriculum import Curriculum
 from relayrl.algorithms.dwr import DynamicWeightedResampler
 from relayrl.channels.local import Channel
 from relayrl.config import Config, save_config
@@ -158,7 +159,7 @@ async def run_lockstep(
     ex: EmbodiedExecutors,
     tally: RunTally,
     log: MetricsLog,
-    dwr: DynamicWeightedResampler,
+    choice: TaskChoice,
 ) -> dict:
     """Embodied sync: collect in lockstep, train, publish, one after the other; no overlap.
 
@@ -174,7 +175,7 @@ async def run_lockstep(
         tally.on_generated(sum(len(s) for s in segments), time.time() - start)
         metrics = await ex.trainer.train_step.remote(segments)
         await ex.inference_service.update_weights.remote(ex.trainer.publish.remote())
-        metrics |= await _episode_feedback(cfg, ex, dwr)
+        metrics |= await _episode_feedback(cfg, ex, choice, tally.steps + 1)
         await _log_step(cfg, tally, log, metrics, functools.partial(_evaluate_embodied, cfg, ex))
     return {"prefetched": 0, "occupancy": []}
 
@@ -184,7 +185,7 @@ async def run_streaming(
     ex: EmbodiedExecutors,
     tally: RunTally,
     log: MetricsLog,
-    dwr: DynamicWeightedResampler,
+    choice: TaskChoice,
 ) -> dict:
     """Embodied async: workers, inference service and trainer each run their own loop.
 
@@ -204,7 +205,7 @@ async def run_streaming(
         metrics = await _first_or_raise(ex.trainer.train_next.remote(), runs)
         if metrics["stepped"]:
             ex.inference_service.update_weights.remote(ex.trainer.publish.remote())
-        metrics |= await _episode_feedback(cfg, ex, dwr)
+        metrics |= await _episode_feedback(cfg, ex, choice, tally.steps + 1)
         metrics["replay/occupancy"] = (await ex.replay_buffer.stats.remote())["occupancy"]
         occupancy.append(metrics["replay/occupancy"])
         await _log_step(cfg, tally, log, metrics, functools.partial(_evaluate_embodied, cfg, ex))
@@ -373,14 +374,22 @@ def _embodied_job(
     """
     transport = connect_weight_sync(cfg, ex)
     ray.get(ex.inference_service.update_weights.remote(ex.trainer.publish.remote()))
+    if cfg.env.eval_tasks is not None:
+        unknown = sorted(set(cfg.env.eval_tasks) - set(ex.tasks))
+        if unknown or not cfg.env.eval_tasks:
+            raise ValueError(
+                f"env.eval_tasks={cfg.env.eval_tasks} must be a non-empty subset of the env's "
+                f"tasks {list(ex.tasks)}; unknown: {unknown}"
+            )
+        weights = [float(t in cfg.env.eval_tasks) for t in ex.tasks]
+        ray.get([w.__ray_call__.remote(set_task_weights, weights) for w in ex.evaluators])
     eval_start = asyncio.run(_evaluate_embodied(cfg, ex))
     log.log(0, {f"eval/{k}": v for k, v in eval_start.items() if k != "per_task"})
-    dwr = DynamicWeightedResampler(
-        ex.tasks, window=cfg.rollout.dwr_window, alpha=cfg.rollout.dwr_alpha, seed=cfg.run.seed
-    )
+    choice = TaskChoice(cfg, ex.tasks)
+    ray.get([w.__ray_call__.remote(set_task_weights, choice.weights()) for w in ex.workers])
     tally.start()
     clock["rl_start"] = time.time()
-    loop = asyncio.run(EMBODIED_LOOPS[cfg.mode](cfg, ex, tally, log, dwr))
+    loop = asyncio.run(EMBODIED_LOOPS[cfg.mode](cfg, ex, tally, log, choice))
     clock["rl_end"] = time.time()
     tally.close()
     rl_wall = clock["rl_end"] - clock["rl_start"]
@@ -446,7 +455,8 @@ def _embodied_job(
             "occupancy_end": buffer["occupancy"],
             "reader_wait_s": buffer["reader_wait_s"],
         },
-        "dwr": {"enabled": cfg.rollout.dwr, "weights": dwr.weights()},
+        "dwr": {"enabled": cfg.rollout.dwr, "weights": choice.dwr.weights()},
+        "curriculum": choice.summary(),
         "sync": sync,
         "samples": {
             "unit": "env_steps",
@@ -513,22 +523,75 @@ async def _evaluate_embodied(cfg: Config, ex: EmbodiedExecutors) -> dict:
     }
 
 
+class TaskChoice:
+    """How each new training episode's task is drawn: DWR's weights (uniform when DWR is off),
+    with the stages the curriculum has not opened yet masked out."""
+
+    def __init__(self, cfg: Config, tasks: tuple[str, ...]):
+        r = cfg.rollout
+        self.use_dwr = r.dwr
+        self.dwr = DynamicWeightedResampler(
+            tasks, window=r.dwr_window, alpha=r.dwr_alpha, seed=cfg.run.seed
+        )
+        self.curriculum = (
+            Curriculum(
+                tasks,
+                promote_at=r.curriculum_promote_at,
+                window=r.curriculum_window,
+                max_steps_per_stage=r.curriculum_max_steps,
+                review=r.curriculum_review,
+            )
+            if r.curriculum
+            else None
+        )
+
+    def record(self, task: str, success: bool) -> None:
+        """One finished training episode."""
+        self.dwr.record(task, success)
+        if self.curriculum is not None:
+            self.curriculum.record(task, success)
+
+    def weights(self) -> list[float]:
+        """The task weights the workers draw with, in the env's task order."""
+        base = self.dwr.weights() if self.use_dwr else dict.fromkeys(self.dwr.tasks, 1.0)
+        if self.curriculum is not None:
+            return self.curriculum.apply(base)
+        total = sum(base.values())
+        return [w / total for w in base.values()]
+
+    def summary(self) -> dict:
+        """The curriculum's section of summary.json."""
+        c = self.curriculum
+        if c is None:
+            return {"enabled": False}
+        return {
+            "enabled": True,
+            "stages": list(c.stages),
+            "stage": c.current,
+            "opened_at_step": dict(zip(c.stages, c.opened_at, strict=False)),
+            "stage_success_rate": c.success_rate(),
+        }
+
+
 async def _episode_feedback(
-    cfg: Config, ex: EmbodiedExecutors, dwr: DynamicWeightedResampler
+    cfg: Config, ex: EmbodiedExecutors, choice: TaskChoice, step: int
 ) -> dict[str, float]:
-    """Drain the workers' finished episodes into DWR, push its weights to the workers' task
-    samplers, and return the rollout success rate of those episodes."""
+    """Drain the workers' finished episodes into DWR and the curriculum, push the new task
+    weights to the workers' samplers, and return the rollout success rate of those episodes."""
     drained = await asyncio.gather(*(w.episode_results.remote() for w in ex.workers))
     results = [r for rs in drained for r in rs]
     for r in results:
-        dwr.record(r.task, r.success)
-    if cfg.rollout.dwr and results:
-        weights = list(dwr.weights().values())
+        choice.record(r.task, r.success)
+    opened = choice.curriculum.advance(step) if choice.curriculum is not None else None
+    if opened is not None or (cfg.rollout.dwr and results):
+        weights = choice.weights()
         for worker in ex.workers:
             worker.__ray_call__.remote(set_task_weights, weights)
     out = {"rollout/episodes": float(len(results))}
     if results:
         out["rollout/success_rate"] = sum(r.success for r in results) / len(results)
+    if choice.curriculum is not None:
+        out["curriculum/stage"] = float(choice.curriculum.stage)
     return out
 
 
