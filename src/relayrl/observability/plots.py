@@ -66,16 +66,15 @@ def plot_timeline(
     for row, name in enumerate(names):
         busy_spans, waits = spans[name]
         for kind, items, height in (("wait", waits, 0.3), ("busy", busy_spans, 0.6)):
+            bars: dict[str, list[tuple[float, float]]] = {}
             for s in items:
                 if s.end < start or s.start > end:
                     continue
                 color = "0.8" if kind == "wait" else PHASE_COLORS.get(s.name, "tab:gray")
                 left = max(s.start, start) - start
-                ax.broken_barh(
-                    [(left, min(s.end, end) - max(s.start, start))],
-                    (row - height / 2, height),
-                    color=color,
-                )
+                bars.setdefault(color, []).append((left, min(s.end, end) - max(s.start, start)))
+            for color, xranges in bars.items():
+                ax.broken_barh(xranges, (row - height / 2, height), color=color)
     ax.set_yticks(range(len(names)))
     ax.set_yticklabels([f"{n}\nbusy {busy.get(n, 0.0):.0%}" for n in names])
     ax.set_xlim(0, end - start)
