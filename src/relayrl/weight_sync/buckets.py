@@ -151,16 +151,6 @@ class Layout:
         """Tensor names in buffer order."""
         return [s.name for s in self.specs]
 
-    def bucket_names(self) -> list[list[str]]:
-        """The names of the tensors in each bucket, bucket by bucket."""
-        groups: list[list[str]] = [[] for _ in self.buckets]
-        i = 0
-        for spec in self.specs:
-            while spec.offset >= self.buckets[i][1]:
-                i += 1
-            groups[i].append(spec.name)
-        return groups
-
     def allocate(self) -> Tensor:
         """A zeroed uint8 buffer of this layout's size (zeroing faults every page in now)."""
         return torch.zeros(self.nbytes, dtype=torch.uint8)

@@ -5,16 +5,14 @@ The DDMA analogue: every trainer shard has its own publisher and sends its own t
 to every receiver; nothing is gathered on one rank. Pairs (rather than one group holding every
 receiver) keep a failure local: a receiver that dies breaks only its own pair, the publisher names
 it and carries on with the others. ``publish`` packs the tensors into a send buffer allocated
-once and returns when the last bucket is packed, so the trainer stalls for one memory copy plus
-any sends of the previous version still in flight. Packing and sending overlap: a sender thread
-packs bucket by bucket and issues each bucket's sends as soon as it is packed.
+once, issues the sends and returns, so the trainer stalls for one memory copy plus any sends of
+the previous version still in flight.
 """
 
 from __future__ import annotations
 
 import datetime
 import re
-import threading
 import time
 import warnings
 from collections.abc import Mapping, Sequence
@@ -81,7 +79,6 @@ class Publisher:
         self.host = host
         self.buffer = self.layout.allocate()
         self.views = self.layout.views(self.buffer)
-        self._bucket_names = self.layout.bucket_names()
         self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="relayrl-sync")
         self._issuing: Future | None = None
         self.groups: dict[str, dist.ProcessGroup] = {}
@@ -116,39 +113,23 @@ class Publisher:
     def publish(self, version: int, tensors: Mapping[str, Tensor]) -> Ticket:
         """Pack ``tensors`` and start sending them to every live receiver; returns the ticket.
 
-        The trainer waits for the pack (one copy) only: a sender thread packs bucket by bucket
-        and issues each bucket's sends once it is packed, so sending overlaps packing and the
-        stall does not grow with the number of receivers.
+        The trainer waits for the pack (one copy) only: a sender thread issues the sends, so
+        the stall does not grow with the number of receivers.
         """
         start = time.perf_counter()
         self.finish()
         self.layout.check(tensors)
-        packed = threading.Event()
-        groups = list(self.groups.items())
-        self._issuing = self._sender.submit(self._pack_and_issue, tensors, groups, packed)
-        packed.wait()
-        if self._issuing.done() and self._issuing.exception() is not None:
-            issuing, self._issuing = self._issuing, None
-            issuing.result()  # a failed pack raises here, in the trainer
+        copy_into(self.views, tensors)
+        self._issuing = self._sender.submit(self._issue, list(self.groups.items()))
         stall = time.perf_counter() - start
         return Ticket(self.kind, self.shard, version, None, stall, self.layout.nbytes)
 
-    def _pack_and_issue(
-        self,
-        tensors: Mapping[str, Tensor],
-        groups: list[tuple[str, dist.ProcessGroup]],
-        packed: threading.Event,
-    ) -> list[tuple[str, dist.Work]]:
-        """Pack each bucket, then issue its sends; ``packed`` is set once the trainer's tensors
-        are no longer read (or the pack failed)."""
-        works = []
-        try:
-            for (begin, end), names in zip(self.layout.buckets, self._bucket_names, strict=True):
-                copy_into(self.views, {name: tensors[name] for name in names})
-                works += [(r, _broadcast(group, self.buffer[begin:end])) for r, group in groups]
-        finally:
-            packed.set()
-        return works
+    def _issue(self, groups: list[tuple[str, dist.ProcessGroup]]) -> list[tuple[str, dist.Work]]:
+        return [
+            (receiver, _broadcast(group, self.buffer[begin:end]))
+            for begin, end in self.layout.buckets
+            for receiver, group in groups
+        ]
 
     def finish(self, timeout_s: float | None = None) -> dict[str, str]:
         """Wait for the sends in flight; returns the receivers lost so far."""
