@@ -21,6 +21,7 @@ import shlex
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 
 import matplotlib
@@ -142,7 +143,7 @@ def gae_terminal(
 def update(
     model: VLAPolicy,
     optimizer: torch.optim.Optimizer,
-    loss_fn,
+    loss_fn: Callable[..., tuple[torch.Tensor, dict[str, float]]],
     flat: dict[str, torch.Tensor],
     args: argparse.Namespace,
 ) -> None:
