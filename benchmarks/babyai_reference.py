@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": time.strftime("%Y-%m-%d"),
         "machine": machine(),
         "git": git_state(),
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "args": {k: relative(str(v)) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "params": sum(p.numel() for p in model.parameters()),
         "env_steps": frames,
         "env_steps_per_s": frames / (time.time() - start),
