@@ -44,9 +44,13 @@ class Curriculum:
         self.window = window
         self.max_steps_per_stage = max_steps_per_stage
         self.review = review
-        self.stage = 0  # index of the newest open stage
         self.opened_at: list[int] = [0]  # trainer step at which each open stage opened
         self._outcomes: deque[bool] = deque(maxlen=window)
+
+    @property
+    def stage(self) -> int:
+        """Index of the newest open stage."""
+        return len(self.opened_at) - 1
 
     @property
     def current(self) -> str:
@@ -75,7 +79,6 @@ class Curriculum:
         budget = self.max_steps_per_stage
         if not solved and not (budget and step - self.opened_at[-1] >= budget):
             return None
-        self.stage += 1
         self.opened_at.append(step)
         self._outcomes.clear()
         return self.current
@@ -90,7 +93,8 @@ class Curriculum:
 
     def apply(self, weights: Mapping[str, float]) -> list[float]:
         """Task weights (in stage order) with the unopened stages zeroed, renormalised."""
-        masked = [weights[task] * self.mask()[task] for task in self.stages]
+        mask = self.mask()
+        masked = [weights[task] * mask[task] for task in self.stages]
         total = sum(masked)
         if total <= 0:
             raise ValueError(f"every open stage has weight 0: {dict(weights)}")
@@ -109,5 +113,4 @@ class Curriculum:
         if state["stages"] != self.stages:
             raise ValueError(f"state holds stages {state['stages']}, this curriculum {self.stages}")
         self.opened_at = list(state["opened_at"])
-        self.stage = len(self.opened_at) - 1
         self._outcomes = deque(state["outcomes"], maxlen=self.window)
