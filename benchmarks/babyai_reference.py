@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
-    model = VLAPolicy(VLAConfig())
+    model = VLAPolicy(VLAConfig(patch_tokens=not args.summary_only))
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr, eps=1e-5)
     loss_fn = LOSSES[args.loss]
     stages = args.stages
@@ -220,6 +220,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--minutes", type=float, default=7.0)
     parser.add_argument("--max-steps", type=int, default=10**9, help="env steps")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--summary-only", action="store_true", help="VLAConfig.patch_tokens=False")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--name", default=NAME, help="result file name")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")

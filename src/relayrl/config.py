@@ -330,6 +330,11 @@ class VLAModelConfig(_Section):
     patch_size: int = Field(8, ge=1, description="Patch stem stride; 8 is one BabyAI cell.")
     channels: int = Field(32, ge=1, description="Channels of the convolutional image encoder.")
     conv_layers: int = Field(2, ge=0, description="FiLM-conditioned residual convolutions.")
+    patch_tokens: bool = Field(
+        True,
+        description="Feed every image patch to the backbone; false feeds one summary token per "
+        "view (about 3x less compute per sample).",
+    )
     d_model: int = Field(64, ge=8, description="Width of the transformer backbone.")
     layers: int = Field(1, ge=1, description="Transformer encoder layers.")
     heads: int = Field(4, ge=1, description="Attention heads; must divide d_model.")

@@ -205,3 +205,24 @@ def test_default_config_parameter_count() -> None:
     # The BabyAI default; the count changes only when a size knob or the vocabulary does.
     model = VLAPolicy(VLAConfig())
     assert sum(p.numel() for p in model.parameters()) == 211172
+
+
+@pytest.mark.parametrize(("space", "views"), [(DISCRETE, 1), (CONTINUOUS, 2)])
+def test_summary_only_feeds_the_backbone_one_token_per_view(space: ActionSpace, views: int) -> None:
+    model = make(space, views=views, patch_tokens=False)
+    images, instructions, steps = inputs(4, views)
+    ids = model.tokenize(instructions)
+    mission = model.word_embedding(ids).mean(1)
+    assert model._encode_images(images, mission).shape == (4, views, SMALL["d_model"])
+    assert not hasattr(model, "patch_proj") and not hasattr(model, "patch_position")
+    # The image still reaches the actions: a different picture, a different policy.
+    logits, values = model(images, ids, steps)
+    other, _ = model(images.flip(2), ids, steps)
+    assert logits.shape == (4, space.dims, space.vocab) and values.shape == (4,)
+    assert not torch.allclose(logits, other)
+    # Every parameter gets a gradient from the policy and value losses.
+    logprobs, entropy, values = model.evaluate_actions(
+        images, ids, steps, torch.zeros(4, space.dims, dtype=torch.int64)
+    )
+    (logprobs.sum() + values.sum()).backward()
+    assert all(p.grad is not None for p in model.parameters())
