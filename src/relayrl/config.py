@@ -376,6 +376,11 @@ class SyncConfig(_Section):
         "per-row scales); null keeps the trainer's.",
     )
     bucket_mb: int = Field(256, ge=1, description="Largest bucket a transport moves at once.")
+    streams: int = Field(
+        2,
+        ge=1,
+        description="dist: parallel gloo pairs per receiver; buckets alternate between them.",
+    )
 
 
 class RayConfig(_Section):

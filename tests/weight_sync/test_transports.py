@@ -284,6 +284,25 @@ def test_dist_names_a_receiver_that_never_receives_within_the_timeout() -> None:
     pub.close()
 
 
+@pytest.mark.parametrize("streams", [1, 3])
+def test_dist_spreads_buckets_over_parallel_pairs(streams: int) -> None:
+    mod = TRANSPORTS["dist"]
+    pub = mod.Publisher(trainer_tensors(0), ["r0"], bucket_bytes=256, streams=streams)
+    assert len(pub.layout.buckets) > streams  # every pair carries some buckets
+    rcv = mod.Receiver(make_model(), [pub.address], "r0")
+    connect(pub, [rcv])
+    assert len(pub.groups["r0"]) == len(rcv.groups[0]) == streams
+    for version in (1, 2):
+        tensors = trainer_tensors(version)
+        stat = receive_all([rcv], pub.publish(version, tensors))[0]
+        assert stat.version == version and pub.finish() == {}
+        got = rcv.state.model.state_dict()
+        assert all(torch.equal(got[name], tensor) for name, tensor in tensors.items())
+    pub.close()
+    with pytest.raises(ValueError, match="streams must be a positive int"):
+        mod.Publisher(trainer_tensors(0), ["r0"], streams=0)
+
+
 def test_bad_input_names_the_problem(ray_session) -> None:
     pub = TRANSPORTS["shm"].Publisher(trainer_tensors(0), ["r0"])
     wrong = dict(trainer_tensors(1))

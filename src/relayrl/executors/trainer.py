@@ -54,7 +54,11 @@ class Trainer:
         self.tracer = Tracer(self.name)
         self.trained = 0
         self.dropped_stale = 0
-        self.sync = TrainerSide(timeout_s=cfg.sync.timeout_s, bucket_bytes=cfg.sync.bucket_mb << 20)
+        self.sync = TrainerSide(
+            timeout_s=cfg.sync.timeout_s,
+            bucket_bytes=cfg.sync.bucket_mb << 20,
+            streams=cfg.sync.streams,
+        )
 
     def warm_start(self, steps: int) -> dict[str, float]:
         """``steps`` supervised steps on a fixed set of worked examples (prompt masked out).

@@ -145,7 +145,11 @@ class VLATrainer:
         self.tracer = Tracer(self.name)
         self.trained = 0  # env steps
         self.dropped_stale = 0
-        self.sync = TrainerSide(timeout_s=cfg.sync.timeout_s, bucket_bytes=cfg.sync.bucket_mb << 20)
+        self.sync = TrainerSide(
+            timeout_s=cfg.sync.timeout_s,
+            bucket_bytes=cfg.sync.bucket_mb << 20,
+            streams=cfg.sync.streams,
+        )
         self._prefetch: Prefetcher | None = None
 
     def advantages(self, segments: list[Segment]) -> dict[str, Any]:

@@ -119,9 +119,10 @@ class ReceiverBase:
 class TrainerSide:
     """A trainer's end of weight sync: its publisher and the stall of every publish, in order."""
 
-    def __init__(self, *, timeout_s: float, bucket_bytes: int):
+    def __init__(self, *, timeout_s: float, bucket_bytes: int, streams: int = 2):
         self.timeout_s = timeout_s
         self.bucket_bytes = bucket_bytes
+        self.streams = streams
         self.publisher: Any = None
         self.stalls: list[float] = []
 
@@ -129,7 +130,8 @@ class TrainerSide:
         self, transport: Any, tensors: dict[str, torch.Tensor], receivers: list[str], host: str
     ) -> dict[str, Any]:
         """Create the publisher of ``transport`` (a ``TRANSPORTS`` entry); returns its address."""
-        options = {"host": host} if transport.Publisher.kind == "dist" else {}
+        dist = transport.Publisher.kind == "dist"
+        options = {"host": host, "streams": self.streams} if dist else {}
         self.publisher = transport.Publisher(
             tensors,
             receivers,

@@ -1,4 +1,4 @@
-"""torch.distributed transport: one gloo process pair per (trainer shard, receiver), bucket by
+"""torch.distributed transport: gloo process pairs per (trainer shard, receiver), bucket by
 bucket, sends issued asynchronously.
 
 The DDMA analogue: every trainer shard has its own publisher and sends its own tensors straight
@@ -7,6 +7,10 @@ receiver) keep a failure local: a receiver that dies breaks only its own pair, t
 it and carries on with the others. ``publish`` packs the tensors into a send buffer allocated
 once, issues the sends and returns, so the trainer stalls for one memory copy plus any sends of
 the previous version still in flight.
+
+Each (shard, receiver) has ``streams`` pairs, and bucket ``j`` travels on pair ``j % streams``.
+One gloo pair over loopback TCP moves ~4.6 GB/s here; two in parallel ~7.2 GB/s, four ~6.5 GB/s
+(4 GB between two plain processes on two cores), so the default is 2.
 """
 
 from __future__ import annotations
@@ -29,9 +33,12 @@ from relayrl.weight_sync.buckets import Layout, copy_into
 BACKENDS = ("gloo",)
 
 
-def _pair(store: dist.Store, receiver: str, rank: int, timeout_s: float) -> dist.ProcessGroup:
-    """The two-process gloo group between a publisher (rank 0) and ``receiver`` (rank 1)."""
-    prefixed = dist.PrefixStore(f"relayrl/sync/{receiver}", store)
+def _pair(
+    store: dist.Store, receiver: str, rank: int, timeout_s: float, stream: int = 0
+) -> dist.ProcessGroup:
+    """Stream ``stream`` of the two-process gloo groups between a publisher (rank 0) and
+    ``receiver`` (rank 1)."""
+    prefixed = dist.PrefixStore(f"relayrl/sync/{receiver}/{stream}", store)
     return dist.ProcessGroupGloo(prefixed, rank, 2, datetime.timedelta(seconds=timeout_s))
 
 
@@ -61,9 +68,15 @@ class Publisher:
         host: str = "127.0.0.1",
         backend: str = "gloo",
         connect_timeout_s: float = 300.0,
+        streams: int = 2,
     ):
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r} is not one of {BACKENDS}: CPU-only build")
+        if not isinstance(streams, int) or streams < 1:
+            raise ValueError(
+                f"streams must be a positive int (pairs per receiver), got {streams!r}"
+            )
+        self.streams = streams
         self.layout = Layout.of(tensors, bucket_bytes=bucket_bytes)
         self.receivers = list(receivers)
         self.timeout_s = timeout_s
@@ -81,7 +94,7 @@ class Publisher:
         self.views = self.layout.views(self.buffer)
         self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="relayrl-sync")
         self._issuing: Future | None = None
-        self.groups: dict[str, dist.ProcessGroup] = {}
+        self.groups: dict[str, list[dist.ProcessGroup]] = {}
         self.lost: dict[str, str] = {}
         self._pending: list[tuple[str, dist.Work]] = []
 
@@ -94,10 +107,11 @@ class Publisher:
             "layout": self.layout,
             "host": self.host,
             "port": self.store.port,
+            "streams": self.streams,
         }
 
     def connect(self) -> None:
-        """Form the pair with every receiver (each receiver calls its ``connect`` meanwhile).
+        """Form the pairs with every receiver (each receiver calls its ``connect`` meanwhile).
 
         Both sides first meet in the store (waiting up to ``connect_timeout_s``: receivers may
         still be starting), so the pair itself forms at once and ``timeout_s`` bounds transfers.
@@ -106,7 +120,9 @@ class Publisher:
         for name in self.receivers:
             try:
                 self.store.wait([_ready_key(name)], wait)
-                self.groups[name] = _pair(self.store, name, 0, self.timeout_s)
+                self.groups[name] = [
+                    _pair(self.store, name, 0, self.timeout_s, k) for k in range(self.streams)
+                ]
             except RuntimeError as e:
                 self._lose(name, f"did not connect ({_first_line(e)})")
 
@@ -124,11 +140,13 @@ class Publisher:
         stall = time.perf_counter() - start
         return Ticket(self.kind, self.shard, version, None, stall, self.layout.nbytes)
 
-    def _issue(self, groups: list[tuple[str, dist.ProcessGroup]]) -> list[tuple[str, dist.Work]]:
+    def _issue(
+        self, groups: list[tuple[str, list[dist.ProcessGroup]]]
+    ) -> list[tuple[str, dist.Work]]:
         return [
-            (receiver, _broadcast(group, self.buffer[begin:end]))
-            for begin, end in self.layout.buckets
-            for receiver, group in groups
+            (receiver, _broadcast(pairs[j % len(pairs)], self.buffer[begin:end]))
+            for j, (begin, end) in enumerate(self.layout.buckets)
+            for receiver, pairs in groups
         ]
 
     def finish(self, timeout_s: float | None = None) -> dict[str, str]:
@@ -186,15 +204,18 @@ class Receiver(ReceiverBase):
         self.connect_timeout_s = connect_timeout_s
         casting = self.state.layouts != self.state.wire_layouts
         self.wire = [a["layout"].allocate() for a in self.addresses] if casting else None
-        self.groups: list[dist.ProcessGroup] = []
+        self.groups: list[list[dist.ProcessGroup]] = []
 
     def connect(self) -> None:
-        """Join the pair of every trainer shard."""
+        """Join the pairs of every trainer shard."""
         for a in self.addresses:
             timeout = datetime.timedelta(seconds=self.connect_timeout_s)
             store = dist.TCPStore(a["host"], a["port"], is_master=False, timeout=timeout)
             store.set(_ready_key(self.name), "1")
-            self.groups.append(_pair(store, self.name, 1, self.timeout_s))
+            streams = a.get("streams", 1)
+            self.groups.append(
+                [_pair(store, self.name, 1, self.timeout_s, k) for k in range(streams)]
+            )
 
     def receive(self, tickets: Sequence[Ticket]) -> ReceiveStats:
         """Receive every shard's buckets into the staging slot, then swap it in."""
@@ -205,10 +226,13 @@ class Receiver(ReceiverBase):
         timeout = datetime.timedelta(seconds=self.timeout_s)
 
         def fetch() -> None:
-            for i, (a, group) in enumerate(zip(self.addresses, self.groups, strict=True)):
+            for i, (a, pairs) in enumerate(zip(self.addresses, self.groups, strict=True)):
                 target = self.state.slots[slot][i] if self.wire is None else self.wire[i]
                 try:  # post every bucket's receive at once, so the sender never waits on us
-                    works = [_broadcast(group, target[b:e]) for b, e in a["layout"].buckets]
+                    works = [
+                        _broadcast(pairs[j % len(pairs)], target[b:e])
+                        for j, (b, e) in enumerate(a["layout"].buckets)
+                    ]
                     for work in works:
                         work.wait(timeout)
                 except RuntimeError as e:
