@@ -22,8 +22,11 @@ def read_jsonl(path: Path) -> list[dict]:
     return records
 
 
-def plot_learning_curve(metrics_path: Path, out_png: Path) -> Path:
-    """Sampled rollout accuracy per RL step, and the held-out evaluations logged in between."""
+def plot_learning_curve(
+    metrics_path: Path, out_png: Path, eval_label: str = "held-out accuracy (greedy)"
+) -> Path:
+    """Sampled rollout accuracy per RL step, and the evaluations logged in between (legend
+    ``eval_label``)."""
     rows = read_jsonl(metrics_path)
     records = [r for r in rows if "rollout/accuracy" in r]
     evals = {r["step"]: r["eval/accuracy"] for r in rows if "eval/accuracy" in r}
@@ -32,7 +35,7 @@ def plot_learning_curve(metrics_path: Path, out_png: Path) -> Path:
         steps = [r["step"] for r in records]
         ax.plot(steps, [r["rollout/accuracy"] for r in records], label="rollout accuracy (sampled)")
     if evals:
-        ax.plot(list(evals), list(evals.values()), "o--", label="held-out accuracy (greedy)")
+        ax.plot(list(evals), list(evals.values()), "o--", label=eval_label)
     ax.set_xlabel("RL step (policy version)")
     ax.set_ylabel("accuracy")
     ax.set_ylim(-0.02, 1.02)
