@@ -299,6 +299,10 @@ def test_dist_spreads_buckets_over_parallel_pairs(streams: int) -> None:
         got = rcv.state.model.state_dict()
         assert all(torch.equal(got[name], tensor) for name, tensor in tensors.items())
     pub.close()
+    # A payload smaller than one bucket is cut so that each pair carries a share.
+    small = mod.Publisher(trainer_tensors(0), ["r0"], bucket_bytes=1 << 20, streams=2)
+    assert len(small.layout.buckets) >= 2
+    small.close()
     with pytest.raises(ValueError, match="streams must be a positive int"):
         mod.Publisher(trainer_tensors(0), ["r0"], streams=0)
 
