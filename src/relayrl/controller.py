@@ -285,11 +285,12 @@ def train(cfg: Config, run_dir: Path, make_env: Callable[[int], EmbodiedEnv] | N
     trace_start = time.time()
     trace, timeline = _save_trace(run_dir, spans, started, (rl_start, rl_end), tally.steps)
     trace_s += time.time() - trace_start
+    legend = {}
     if cfg.workload == "embodied":
-        label = f"evaluation success ({'greedy' if cfg.env.eval_greedy else 'sampled'})"
-    else:
-        label = "held-out accuracy (greedy)"
-    plot = plot_learning_curve(log.path, run_dir / "learning_curve.png", label)
+        legend["eval_label"] = (
+            f"evaluation success ({'greedy' if cfg.env.eval_greedy else 'sampled'})"
+        )
+    plot = plot_learning_curve(log.path, run_dir / "learning_curve.png", **legend)
     perf, checkpoint = sections.pop("perf"), sections.pop("checkpoint")
     summary = {
         "workload": cfg.workload,

@@ -119,7 +119,7 @@ class ReceiverBase:
 class TrainerSide:
     """A trainer's end of weight sync: its publisher and the stall of every publish, in order."""
 
-    def __init__(self, *, timeout_s: float, bucket_bytes: int, streams: int = 2):
+    def __init__(self, *, timeout_s: float, bucket_bytes: int, streams: int):
         self.timeout_s = timeout_s
         self.bucket_bytes = bucket_bytes
         self.streams = streams

@@ -43,6 +43,12 @@ def _pair(
     return dist.ProcessGroupGloo(prefixed, rank, 2, datetime.timedelta(seconds=timeout_s))
 
 
+def _pair_of(pairs: Sequence[dist.ProcessGroup], bucket: int) -> dist.ProcessGroup:
+    """The pair bucket number ``bucket`` travels on. Sender and receiver both route with this,
+    so their broadcasts on each pair match one to one."""
+    return pairs[bucket % len(pairs)]
+
+
 def _ready_key(receiver: str) -> str:
     return f"relayrl/sync/ready/{receiver}"
 
@@ -148,7 +154,7 @@ class Publisher:
         self, groups: list[tuple[str, list[dist.ProcessGroup]]]
     ) -> list[tuple[str, dist.Work]]:
         return [
-            (receiver, _broadcast(pairs[j % len(pairs)], self.buffer[begin:end]))
+            (receiver, _broadcast(_pair_of(pairs, j), self.buffer[begin:end]))
             for j, (begin, end) in enumerate(self.layout.buckets)
             for receiver, pairs in groups
         ]
@@ -216,7 +222,7 @@ class Receiver(ReceiverBase):
             timeout = datetime.timedelta(seconds=self.connect_timeout_s)
             store = dist.TCPStore(a["host"], a["port"], is_master=False, timeout=timeout)
             store.set(_ready_key(self.name), "1")
-            streams = a.get("streams", 1)
+            streams = a["streams"]
             self.groups.append(
                 [_pair(store, self.name, 1, self.timeout_s, k) for k in range(streams)]
             )
@@ -234,7 +240,7 @@ class Receiver(ReceiverBase):
                 target = self.state.slots[slot][i] if self.wire is None else self.wire[i]
                 try:  # post every bucket's receive at once, so the sender never waits on us
                     works = [
-                        _broadcast(pairs[j % len(pairs)], target[b:e])
+                        _broadcast(_pair_of(pairs, j), target[b:e])
                         for j, (b, e) in enumerate(a["layout"].buckets)
                     ]
                     for work in works:
