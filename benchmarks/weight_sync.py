@@ -14,6 +14,12 @@ Per publish it measures:
 The disk baseline runs twice: ``disk`` fsyncs every checkpoint before the trainer carries on (a
 checkpoint on disk), ``disk_cache`` does not (the file may live in the page cache only).
 
+``dist`` runs twice too: ``dist`` packs the trainer's tensors into its send buffer on every
+publish; ``dist_inplace`` binds them into that buffer once, so a publish copies nothing, and the
+trainer must wait for the sends before it writes its tensors again. Its stall is counted as if the
+trainer wrote right after publishing (the worst case: in training, the next batch's forward and
+backward run meanwhile).
+
 The first publish of each configuration warms up (page faults, connections); the median of the
 rest is reported. Configurations that would not fit in memory are skipped and listed as such.
 A linear fit of time against bytes per transport (1 receiver) reports the slope and R^2.
@@ -51,14 +57,16 @@ from relayrl.weight_sync import TRANSPORTS  # noqa: E402
 SIZES = {"10M": (256, 2), "100M": (768, 11), "1B": (2048, 19)}  # hidden size, layers
 VOCAB = 16384
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-# benchmark name -> (transport, publisher options); "disk" fsyncs each checkpoint (durable),
-# "disk_cache" leaves it in the page cache: the fastest any file-based sync can be
+# benchmark name -> (transport, publisher options, trainer tensors bound into the send buffer);
+# "disk" fsyncs each checkpoint (durable), "disk_cache" leaves it in the page cache: the fastest
+# any file-based sync can be
 VARIANTS = {
-    "shm": ("shm", {}),
-    "dist": ("dist", {}),
-    "object_store": ("object_store", {}),
-    "disk": ("disk", {"durable": True}),
-    "disk_cache": ("disk", {"durable": False}),
+    "shm": ("shm", {}, False),
+    "dist": ("dist", {}, False),
+    "dist_inplace": ("dist", {}, True),
+    "object_store": ("object_store", {}, False),
+    "disk": ("disk", {"durable": True}, False),
+    "disk_cache": ("disk", {"durable": False}, False),
 }
 ORDER = list(VARIANTS)
 
@@ -163,8 +171,10 @@ def run_one(
     tensors = trainer_tensors(size, DTYPES[dtype])
     names = [f"r{i}" for i in range(receivers)]
     actors = [BenchReceiver.remote(size, dtype) for _ in names]
-    kind, options = VARIANTS[transport]
+    kind, options, in_place = VARIANTS[transport]
     pub = TRANSPORTS[kind].Publisher(tensors, names, timeout_s=timeout_s, **options)
+    if in_place:
+        pub.bind(tensors)
     try:
         pairs = zip(actors, names, strict=True)
         opened = [a.open.remote(pub.address, n, timeout_s) for a, n in pairs]
@@ -177,12 +187,14 @@ def run_one(
             tensors["final_norm"].fill_(float(version))
             start = time.perf_counter()
             ticket = pub.publish(version, tensors)
-            stats = ray.get([a.receive.remote(ticket) for a in actors])
+            receiving = [a.receive.remote(ticket) for a in actors]
+            write_wait = pub.writable() if in_place else 0.0
+            stats = ray.get(receiving)
             served = time.perf_counter() - start
             lost = pub.finish()
             publishes.append(
                 {
-                    "stall_s": ticket.stall_s,
+                    "stall_s": ticket.stall_s + write_wait,
                     "served_s": served,
                     "receiver_fetch_s": max(s["fetch_s"] for s in stats),
                     "lost": lost,
@@ -322,11 +334,11 @@ def ratios(rows: list[dict]) -> dict:
     for dtype in DTYPES:
         for slow in ("disk", "disk_cache"):
             base = find(slow, "1B", dtype, 1)
-            for fast in ("shm", "dist"):
+            for fast in ("shm", "dist", "dist_inplace"):
                 row = find(fast, "1B", dtype, 1)
                 if base and row:
                     out[f"{slow}_over_{fast}_1B_{dtype}"] = base["served_s"] / row["served_s"]
-        for transport in ("shm", "dist"):
+        for transport in ("shm", "dist", "dist_inplace"):
             for size in SIZES:
                 one, four = find(transport, size, dtype, 1), find(transport, size, dtype, 4)
                 if one and four:

@@ -309,3 +309,11 @@ def test_save_config_round_trips_overridden_values(tmp_path):
     assert list(written) == list(Config.model_fields)
     assert written["trainer"]["lr"] == 1e-7
     assert written["run"]["name"] == "2024"
+
+
+def test_in_place_sync_needs_the_dist_transport():
+    message = config_error(None, ["sync.in_place=true"])
+
+    assert message.startswith("sync = ")
+    assert "sync.in_place=true needs sync.transport=dist, got 'auto'" in message
+    assert load_config(None, ["sync.in_place=true", "sync.transport=dist"]).sync.in_place

@@ -381,6 +381,20 @@ class SyncConfig(_Section):
         ge=1,
         description="dist: parallel gloo pairs per receiver; buckets alternate between them.",
     )
+    in_place: bool = Field(
+        False,
+        description="dist only: the trainer's weights live in the send buffer, so a publish "
+        "copies nothing and the trainer holds no second copy; its next optimizer step waits "
+        "for the sends in flight (counted as stall).",
+    )
+
+    @model_validator(mode="after")
+    def _in_place_needs_dist(self) -> SyncConfig:
+        if self.in_place and self.transport != "dist":
+            raise ValueError(
+                f"sync.in_place=true needs sync.transport=dist, got {self.transport!r}"
+            )
+        return self
 
 
 class RayConfig(_Section):

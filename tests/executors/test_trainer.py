@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import torch
 from conftest import tiny_config
 
+from relayrl.executors.generator import Generator
 from relayrl.executors.trainer import Trainer
 from relayrl.types import RolloutBatch
 
@@ -119,3 +122,29 @@ def test_skipping_zero_signal_groups_leaves_the_update_unchanged():
     assert all(
         torch.allclose(a, b, atol=1e-7) for a, b in zip(_params(skip), _params(full), strict=True)
     )
+
+
+def test_in_place_sync_sends_the_trained_weights_from_the_trainers_memory():
+    in_place = ["sync.transport=dist", "sync.in_place=true", "sync.timeout_s=20"]
+    trainer = Trainer(tiny_config(*in_place))
+    generator = Generator(tiny_config(*in_place))
+    address = trainer.open_sync("dist", ["generator"])
+    generator.open_sync(address)
+    joining = threading.Thread(target=generator.connect_sync)
+    joining.start()
+    trainer.connect_sync()
+    joining.join(timeout=30)
+    buffer = trainer.sync.publisher.buffer
+    start, end = buffer.data_ptr(), buffer.data_ptr() + buffer.numel()
+    assert all(start <= p.data_ptr() < end for p in trainer.model.parameters())
+    for step in range(2):
+        before = _params(trainer)
+        assert trainer.train_step(_batch([step, step]))["stepped"] == 1.0
+        after = _params(trainer)
+        assert any(not torch.equal(a, b) for a, b in zip(before, after, strict=True))
+        assert generator.update_weights(trainer.publish()) == trainer.version == step + 1
+        served = [p.detach() for p in generator.model.parameters()]
+        assert all(torch.equal(a, b) for a, b in zip(after, served, strict=True))
+    stats = trainer.sync_stats()
+    assert len(stats["stall_s"]) == 2 and stats["lost"] == {}
+    trainer.sync.publisher.close()

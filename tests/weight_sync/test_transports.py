@@ -7,8 +7,10 @@ import threading
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from relayrl.weight_sync import TRANSPORTS, ReceiverLost
+from relayrl.weight_sync.base import Ticket, TrainerSide
 from relayrl.weight_sync.buckets import Layout
 
 
@@ -305,6 +307,69 @@ def test_dist_spreads_buckets_over_parallel_pairs(streams: int) -> None:
     small.close()
     with pytest.raises(ValueError, match="streams must be a positive int"):
         mod.Publisher(trainer_tensors(0), ["r0"], streams=0)
+
+
+class CountCopies(TorchDispatchMode):
+    """Counts the tensor copies run in this thread while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.copies = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.copies += func is torch.ops.aten.copy_.default
+        return func(*args, **(kwargs or {}))
+
+
+def test_dist_bound_tensors_are_sent_from_the_trainers_own_memory() -> None:
+    mod = TRANSPORTS["dist"]
+    model = make_model()
+    pub = mod.Publisher(model.state_dict(), ["r0"], bucket_bytes=256, streams=2)
+    assert pub.writable() == 0.0  # nothing bound: the trainer may always write
+    live = dict(model.named_parameters()) | dict(model.named_buffers())
+    pub.bind(live)
+    for name, tensor in model.state_dict().items():
+        assert tensor.data_ptr() == pub.views[name].data_ptr(), name
+    assert all(p.requires_grad for p in model.parameters())
+    rcv = mod.Receiver(make_model(), [pub.address], "r0")
+    connect(pub, [rcv])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    for version in (1, 2):
+        model.zero_grad()
+        model(torch.ones(4, 7)).square().sum().backward()
+        pub.writable()
+        optimizer.step()  # writes straight into the send buffer
+        model.steps.fill_(version)
+        with CountCopies() as counted:
+            ticket = pub.publish(version, model.state_dict())
+        assert counted.copies == 0, "a bound publish copies nothing"
+        stat = receive_all([rcv], ticket)[0]
+        pub.writable()
+        assert pub._pending == [] and pub._issuing is None  # writable waited for the sends
+        got, sent = rcv.state.model.state_dict(), model.state_dict()
+        assert stat.version == version and rcv.version == version
+        assert all(torch.equal(got[name], tensor) for name, tensor in sent.items())
+    with CountCopies() as counted:  # an unbound tensor of the right name is copied in
+        pub.publish(3, trainer_tensors(3))
+    assert counted.copies == len(trainer_tensors(3))
+    receive_all([rcv], Ticket("dist", 0, 3))
+    assert torch.equal(rcv.state.model.state_dict()["steps"], torch.full((3,), 3))
+    with pytest.raises(ValueError, match=r"not in the layout: \['extra'\]"):
+        pub.bind({"extra": torch.zeros(1)})
+    with pytest.raises(ValueError, match="tensor '0.weight' is torch.float64"):
+        pub.bind({"0.weight": torch.zeros(33, 7, dtype=torch.float64)})
+    pub.close()
+
+
+def test_trainer_side_binds_in_place_only_for_dist(ray_session) -> None:
+    side = TrainerSide(timeout_s=5.0, bucket_bytes=1 << 20, streams=1, in_place=True)
+    with pytest.raises(ValueError, match="sync.in_place=true needs the dist transport, got 'shm'"):
+        side.open(TRANSPORTS["shm"], make_model(), ["r0"], "127.0.0.1")
+    model = make_model()
+    side.open(TRANSPORTS["dist"], model, ["r0"], "127.0.0.1")
+    assert side.publisher.bound
+    assert model[0].weight.data_ptr() == side.publisher.views["0.weight"].data_ptr()
+    side.publisher.close()
 
 
 def test_bad_input_names_the_problem(ray_session) -> None:

@@ -58,6 +58,7 @@ class Trainer:
             timeout_s=cfg.sync.timeout_s,
             bucket_bytes=cfg.sync.bucket_mb << 20,
             streams=cfg.sync.streams,
+            in_place=cfg.sync.in_place,
         )
 
     def warm_start(self, steps: int) -> dict[str, float]:
@@ -86,6 +87,7 @@ class Trainer:
             loss = (nll * loss_mask[:, 1:]).sum() / loss_mask[:, 1:].sum()
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
+            self.sync.writable()
             optimizer.step()
         elapsed = time.perf_counter() - start
         return {"warm_start/loss": float(loss.detach()), "warm_start/time_s": elapsed}
@@ -170,6 +172,7 @@ class Trainer:
         grad_norm = torch.nn.utils.clip_grad_norm_(
             self.model.parameters(), self.cfg.trainer.grad_clip
         )
+        self.sync.writable()  # in place: the sends of the last publish read these tensors
         self.optimizer.step()
         self.scheduler.step()
         self.version += 1
@@ -187,7 +190,7 @@ class Trainer:
 
     def open_sync(self, transport: str, receivers: list[str], host: str = "127.0.0.1") -> dict:
         """Create the weight-sync publisher; returns the address receivers attach to."""
-        return self.sync.open(TRANSPORTS[transport], self.model.state_dict(), receivers, host)
+        return self.sync.open(TRANSPORTS[transport], self.model, receivers, host)
 
     def connect_sync(self) -> None:
         """Rendezvous with the receivers (they call their ``connect_sync`` meanwhile)."""
@@ -240,6 +243,7 @@ class Trainer:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what ``state_dict`` saved."""
+        self.sync.writable()
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])

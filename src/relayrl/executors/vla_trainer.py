@@ -149,6 +149,7 @@ class VLATrainer:
             timeout_s=cfg.sync.timeout_s,
             bucket_bytes=cfg.sync.bucket_mb << 20,
             streams=cfg.sync.streams,
+            in_place=cfg.sync.in_place,
         )
         self._prefetch: Prefetcher | None = None
 
@@ -265,6 +266,7 @@ class VLATrainer:
                 grad_norm = torch.nn.utils.clip_grad_norm_(
                     self.policy.parameters(), self.tc.grad_clip
                 )
+                self.sync.writable()  # in place: the sends of the last publish read these tensors
                 self.optimizer.step()
                 step = {
                     "loss/policy": float(policy_loss.detach()),
@@ -309,7 +311,7 @@ class VLATrainer:
 
     def open_sync(self, transport: str, receivers: list[str], host: str = "127.0.0.1") -> dict:
         """Create the weight-sync publisher; returns the address receivers attach to."""
-        return self.sync.open(TRANSPORTS[transport], self.policy.state_dict(), receivers, host)
+        return self.sync.open(TRANSPORTS[transport], self.policy, receivers, host)
 
     def connect_sync(self) -> None:
         """Rendezvous with the receivers (they call their ``connect_sync`` meanwhile)."""
@@ -367,6 +369,7 @@ class VLATrainer:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what ``state_dict`` saved."""
+        self.sync.writable()
         self.policy.load_state_dict(state["policy"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])

@@ -117,28 +117,43 @@ class ReceiverBase:
 
 
 class TrainerSide:
-    """A trainer's end of weight sync: its publisher and the stall of every publish, in order."""
+    """A trainer's end of weight sync: its publisher and the stall of every publish, in order.
 
-    def __init__(self, *, timeout_s: float, bucket_bytes: int, streams: int):
+    With ``in_place`` (dist only) the model's tensors are bound into the publisher's send buffer
+    when it opens; the trainer then calls ``writable`` before it writes them, and the time that
+    waits for sends in flight is added to the stall of the publish it waited for.
+    """
+
+    def __init__(self, *, timeout_s: float, bucket_bytes: int, streams: int, in_place: bool):
         self.timeout_s = timeout_s
         self.bucket_bytes = bucket_bytes
         self.streams = streams
+        self.in_place = in_place
         self.publisher: Any = None
         self.stalls: list[float] = []
 
     def open(
-        self, transport: Any, tensors: dict[str, torch.Tensor], receivers: list[str], host: str
+        self, transport: Any, model: torch.nn.Module, receivers: list[str], host: str
     ) -> dict[str, Any]:
-        """Create the publisher of ``transport`` (a ``TRANSPORTS`` entry); returns its address."""
+        """Create the publisher of ``transport`` (a ``TRANSPORTS`` entry) for ``model``'s
+        tensors; returns its address."""
         dist = transport.Publisher.kind == "dist"
+        if self.in_place and not dist:
+            raise ValueError(
+                f"sync.in_place=true needs the dist transport, got {transport.Publisher.kind!r}"
+            )
         options = {"host": host, "streams": self.streams} if dist else {}
+        state = model.state_dict()
         self.publisher = transport.Publisher(
-            tensors,
+            state,
             receivers,
             timeout_s=self.timeout_s,
             bucket_bytes=self.bucket_bytes,
             **options,
         )
+        if self.in_place:
+            live = dict(model.named_parameters()) | dict(model.named_buffers())
+            self.publisher.bind({name: t for name, t in live.items() if name in state})
         return self.publisher.address
 
     def publish(self, version: int, tensors: dict[str, torch.Tensor]) -> Ticket:
@@ -148,6 +163,16 @@ class TrainerSide:
         ticket = self.publisher.publish(version, tensors)
         self.stalls.append(ticket.stall_s)
         return ticket
+
+    def writable(self) -> float:
+        """Wait until the model's tensors may be written (a no-op unless in place); returns the
+        seconds waited, which count as stall of the last publish."""
+        if not self.in_place or self.publisher is None:
+            return 0.0
+        waited = self.publisher.writable()
+        if self.stalls:
+            self.stalls[-1] += waited
+        return waited
 
     def stats(self) -> dict:
         """Trainer-side stall of every publish, in order, and the receivers lost."""

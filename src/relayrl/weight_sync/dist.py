@@ -5,8 +5,16 @@ The DDMA analogue: every trainer shard has its own publisher and sends its own t
 to every receiver; nothing is gathered on one rank. Pairs (rather than one group holding every
 receiver) keep a failure local: a receiver that dies breaks only its own pair, the publisher names
 it and carries on with the others. ``publish`` packs the tensors into a send buffer allocated
-once, issues the sends and returns, so the trainer stalls for one memory copy plus any sends of
-the previous version still in flight.
+once, bucket by bucket, and a sender thread issues each bucket's sends as soon as it is packed,
+so the copy of one bucket overlaps the transfer of the one before. The trainer stalls for the
+copy plus any sends of the previous version still in flight.
+
+``bind`` moves the trainer's tensors into the send buffer itself, so a publish copies nothing
+and sends straight from the trainer's memory (and the trainer holds no second copy of its
+weights). The price: the trainer must not write its tensors while they are being sent, so it
+calls ``writable`` before every optimizer step, which waits for the sends in flight. In a
+training loop that wait overlaps the next batch's forward and backward; the whole transfer is
+the worst case, and it grows with the number of receivers.
 
 Each (shard, receiver) has ``streams`` pairs, and bucket ``j`` travels on pair ``j % streams``;
 a payload of fewer than ``streams`` buckets is cut into buckets of about 1/``streams`` of it.
@@ -17,6 +25,7 @@ One gloo pair over loopback TCP moves ~4.6 GB/s here; two in parallel ~7.2 GB/s,
 from __future__ import annotations
 
 import datetime
+import queue
 import re
 import time
 import warnings
@@ -29,7 +38,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from relayrl.weight_sync.base import ReceiverBase, ReceiveStats, Ticket
-from relayrl.weight_sync.buckets import Layout, copy_into
+from relayrl.weight_sync.buckets import Layout
 
 BACKENDS = ("gloo",)
 
@@ -102,11 +111,16 @@ class Publisher:
         self.host = host
         self.buffer = self.layout.allocate()
         self.views = self.layout.views(self.buffer)
+        self.bucket_names = [
+            [s.name for s in self.layout.specs if begin <= s.offset < end]
+            for begin, end in self.layout.buckets
+        ]
         self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="relayrl-sync")
         self._issuing: Future | None = None
         self.groups: dict[str, list[dist.ProcessGroup]] = {}
         self.lost: dict[str, str] = {}
         self._pending: list[tuple[str, dist.Work]] = []
+        self.bound = False
 
     @property
     def address(self) -> dict[str, Any]:
@@ -136,28 +150,78 @@ class Publisher:
             except RuntimeError as e:
                 self._lose(name, f"did not connect ({_first_line(e)})")
 
+    def bind(self, tensors: Mapping[str, Tensor]) -> None:
+        """Move ``tensors`` into the send buffer: each one's ``.data`` becomes its view of it.
+
+        Pass the tensor objects the trainer keeps (``dict(model.named_parameters())`` plus its
+        buffers), not a ``state_dict`` (whose tensors are detached copies of the references).
+        From now on ``publish`` skips every tensor that already lives in its view, and the
+        trainer calls ``writable`` before it writes them.
+        """
+        unknown = sorted(set(tensors) - set(self.views))
+        if unknown:
+            raise ValueError(f"bind: tensors not in the layout: {unknown[:5]}")
+        self.finish()
+        with torch.no_grad():
+            for name, tensor in tensors.items():
+                view = self.views[name]
+                if tuple(tensor.shape) != tuple(view.shape) or tensor.dtype != view.dtype:
+                    raise ValueError(
+                        f"bind: tensor {name!r} is {tensor.dtype} {tuple(tensor.shape)}, "
+                        f"the layout has {view.dtype} {tuple(view.shape)}"
+                    )
+                view.copy_(tensor)
+                tensor.data = view
+        self.bound = True
+
+    def writable(self) -> float:
+        """Wait until the trainer may write its tensors again; returns the seconds waited.
+
+        Zero unless ``bind`` put the tensors in the send buffer: then the sends in flight must
+        end first (a receiver lost meanwhile is reported by ``finish`` as usual).
+        """
+        if not self.bound:
+            return 0.0
+        start = time.perf_counter()
+        self.finish()
+        return time.perf_counter() - start
+
     def publish(self, version: int, tensors: Mapping[str, Tensor]) -> Ticket:
         """Pack ``tensors`` and start sending them to every live receiver; returns the ticket.
 
-        The trainer waits for the pack (one copy) only: a sender thread issues the sends, so
-        the stall does not grow with the number of receivers.
+        The trainer waits for the pack (one copy) only: a sender thread issues each bucket's
+        sends once it is packed, so the stall does not grow with the number of receivers and
+        the transfer starts after the first bucket rather than after the whole copy.
         """
         start = time.perf_counter()
         self.finish()
         self.layout.check(tensors)
-        copy_into(self.views, tensors)
-        self._issuing = self._sender.submit(self._issue, list(self.groups.items()))
+        packed: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+        self._issuing = self._sender.submit(self._issue, list(self.groups.items()), packed)
+        try:
+            with torch.no_grad():
+                for j, names in enumerate(self.bucket_names):
+                    for name in names:
+                        view, tensor = self.views[name], tensors[name]
+                        if tensor.data_ptr() != view.data_ptr():  # else bound: already there
+                            view.copy_(tensor)
+                    packed.put(j)
+        finally:
+            packed.put(None)  # a pack that failed part-way issues no more sends
         stall = time.perf_counter() - start
         return Ticket(self.kind, self.shard, version, None, stall, self.layout.nbytes)
 
     def _issue(
-        self, groups: list[tuple[str, list[dist.ProcessGroup]]]
+        self,
+        groups: list[tuple[str, list[dist.ProcessGroup]]],
+        packed: queue.SimpleQueue[int | None],
     ) -> list[tuple[str, dist.Work]]:
-        return [
-            (receiver, _broadcast(_pair_of(pairs, j), self.buffer[begin:end]))
-            for j, (begin, end) in enumerate(self.layout.buckets)
-            for receiver, pairs in groups
-        ]
+        works = []
+        while (j := packed.get()) is not None:
+            begin, end = self.layout.buckets[j]
+            for receiver, pairs in groups:
+                works.append((receiver, _broadcast(_pair_of(pairs, j), self.buffer[begin:end])))
+        return works
 
     def finish(self, timeout_s: float | None = None) -> dict[str, str]:
         """Wait for the sends in flight; returns the receivers lost so far."""
