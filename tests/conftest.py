@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from relayrl.config import Config, load_config
@@ -15,6 +17,11 @@ TINY = [
     "log.progress=false",
     "log.tensorboard=false",
 ]
+
+
+def shm_files() -> set[str]:
+    """The weight-sync shared-memory files present now."""
+    return {p.name for p in Path("/dev/shm").glob("relayrl-sync-*")}
 
 
 def tiny_config(*overrides: str) -> Config:

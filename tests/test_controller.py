@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import tiny_config
+from conftest import shm_files, tiny_config
 from safetensors.torch import load_file
 
 from relayrl.controller import train
@@ -35,7 +35,9 @@ def _run(tmp_path, *overrides):
 
 
 def test_async_run_changes_parameters_and_records_bounded_lags(ray_session, tmp_path):
+    before = shm_files()
     cfg, summary = _run(tmp_path, "mode=async", "max_staleness=1", "log.eval_every=3")
+    assert shm_files() <= before, "the run left its shm weight-sync files behind"
     assert summary["steps"] == 6
     assert summary["eval"]["end"]["version"] == summary["updates"] >= 1
     assert summary["eval"]["end"]["n"] == 20

@@ -8,7 +8,7 @@ import json
 import sys
 
 import torch
-from conftest import tiny_config
+from conftest import shm_files, tiny_config
 from safetensors.torch import load_file
 
 from relayrl.config import EnvConfig
@@ -86,7 +86,9 @@ def check_books(summary: dict) -> dict:
 
 def test_sync_lockstep_run_is_on_policy_and_learns_something(ray_session, tmp_path):
     cfg = tiny_config(*SMALL, "mode=sync")
+    before = shm_files()
     summary = train(cfg, tmp_path / "run")
+    assert shm_files() <= before, "the run left its shm weight-sync files behind"
     assert summary["status"] == "finished" and summary["workload"] == "embodied"
     assert summary["steps"] == summary["updates"] == 3
     samples = check_books(summary)

@@ -141,11 +141,15 @@ def connect_weight_sync(cfg: Config, ex: Executors | EmbodiedExecutors) -> str:
 def stop_executors(executors: Executors | EmbodiedExecutors) -> None:
     """Kill the actors of a run (the Ray instance stays up for the next run).
 
-    The rewarder is asked first to stop its scoring processes, which a kill would orphan.
+    The rewarder is asked first to stop its scoring processes, and the trainer to close its
+    weight-sync publisher (shm files in /dev/shm), which a kill would leave behind.
     """
+    closing = [executors.trainer.close_sync.remote()]
     if isinstance(executors, Executors):
+        closing.append(executors.rewarder.close.remote())
+    for ref in closing:
         with contextlib.suppress(Exception):  # it may already be dead; the kill below still runs
-            ray.get(executors.rewarder.close.remote(), timeout=30)
+            ray.get(ref, timeout=30)
     for handle in executors.all().values():
         ray.kill(handle)
 

@@ -209,6 +209,10 @@ class Trainer:
         """Trainer-side stall of every publish, in order, and the receivers lost."""
         return self.sync.stats()
 
+    def close_sync(self) -> None:
+        """Close the weight-sync publisher before the actor is killed."""
+        self.sync.close()
+
     def save_pretrained(self, path: str) -> str:
         """Save a Hugging Face checkpoint (safetensors) with its tokenizer."""
         self.model.save_pretrained(path, safe_serialization=True)

@@ -330,6 +330,10 @@ class VLATrainer:
         """Trainer-side stall of every publish, in order, and the receivers lost."""
         return self.sync.stats()
 
+    def close_sync(self) -> None:
+        """Close the weight-sync publisher before the actor is killed."""
+        self.sync.close()
+
     def save_pretrained(self, path: str) -> str:
         """Save ``model.safetensors`` and ``vla_config.json`` (``VLAPolicy(VLAConfig(**json))``
         rebuilds the model) into the directory ``path``."""

@@ -178,3 +178,8 @@ class TrainerSide:
         """Trainer-side stall of every publish, in order, and the receivers lost."""
         lost = self.publisher.finish() if self.publisher is not None else {}
         return {"stall_s": list(self.stalls), "lost": lost}
+
+    def close(self) -> None:
+        """Close the publisher: shm removes its files, which would outlive a killed process."""
+        if self.publisher is not None:
+            self.publisher.close()
