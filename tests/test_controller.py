@@ -99,6 +99,19 @@ def test_sync_run_is_strictly_on_policy(ray_session, tmp_path):
     assert summary["samples"]["in_flight"] == 0 and summary["samples"]["accounted"]
 
 
+def test_in_place_dist_sync_serves_the_weights_the_trainer_trained(ray_session, tmp_path):
+    in_place = ["mode=sync", "sync.transport=dist", "sync.in_place=true"]
+    _, summary = _run(tmp_path, *in_place)
+    sync = summary["sync"]
+    assert sync["transport"] == "dist" and sync["lost"] == {} and sync["publishes"] >= 7
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    ratios = [(r["loss/ratio_mean"], r["loss/ratio_max"]) for r in records if "loss/ratio_max" in r]
+    assert len(ratios) == summary["updates"] >= 3
+    # On policy, the generator sampled with exactly the trainer's weights: pi/mu is 1 up to
+    # rounding. A stale, torn or missing update would move it.
+    assert all(abs(mean - 1) < 1e-3 and maximum < 1.01 for mean, maximum in ratios), ratios
+
+
 def test_partial_rollouts_through_ray_keep_the_books_and_the_bound(ray_session, tmp_path):
     _, summary = _run(
         tmp_path,
