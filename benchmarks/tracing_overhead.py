@@ -19,8 +19,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
-import platform
+import shlex
 import sys
 import time
 from collections.abc import Callable
@@ -30,6 +29,9 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import git_state, machine, relative  # noqa: E402
 
 from relayrl.observability.tracing import Tracer  # noqa: E402
 
@@ -96,9 +98,10 @@ def main(argv: list[str] | None = None) -> int:
             }
         )
     result = {
-        "command": " ".join(["python", "benchmarks/tracing_overhead.py", *map(str, sys.argv[1:])]),
+        "command": shlex.join(["python", *(relative(a) for a in sys.argv)]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+        "machine": machine(),
+        "git": git_state(),
         "span_cost_us": span_s * 1e6,
         "wait_cost_us": wait_s * 1e6,
         "runs": rows,
