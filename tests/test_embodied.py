@@ -106,6 +106,15 @@ def test_sync_lockstep_run_is_on_policy_and_learns_something(ray_session, tmp_pa
     assert set(summary["rollout"]["success_rate"]["per_task"]) == {"BabyAI-GoToLocalS7N4-v0"}
 
 
+def test_lockstep_run_with_in_place_dist_sync_serves_every_version(ray_session, tmp_path):
+    in_place = ["mode=sync", "sync.transport=dist", "sync.in_place=true"]
+    summary = train(tiny_config(*SMALL, *in_place), tmp_path / "run")
+    sync = summary["sync"]
+    assert sync["transport"] == "dist" and sync["lost"] == {} and sync["publishes"] == 4
+    assert summary["staleness"]["hist"] == {"0": summary["samples"]["trained"]}
+    assert summary["eval"]["end"]["version"] == 3  # the service evaluated the last version
+
+
 def test_async_run_bounds_the_lag_keeps_the_books_and_contains_env_crashes(ray_session, tmp_path):
     # The env factory lives in this module, which Ray's workers cannot import.
     ray_session.cloudpickle.register_pickle_by_value(sys.modules[__name__])
