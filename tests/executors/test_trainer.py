@@ -147,4 +147,4 @@ def test_in_place_sync_sends_the_trained_weights_from_the_trainers_memory():
         assert all(torch.equal(a, b) for a, b in zip(after, served, strict=True))
     stats = trainer.sync_stats()
     assert len(stats["stall_s"]) == 2 and stats["lost"] == {}
-    trainer.sync.publisher.close()
+    trainer.close_sync()

@@ -184,10 +184,13 @@ class Layout:
 
 
 def copy_into(dst: Mapping[str, Tensor], src: Mapping[str, Tensor]) -> None:
-    """Copy (and cast) every tensor of ``src`` into the same-named view of ``dst``."""
+    """Copy (and cast) every tensor of ``src`` into the same-named view of ``dst``; a tensor that
+    already is that view (bound into the buffer) is skipped."""
     with torch.no_grad():
         for name, tensor in src.items():
-            dst[name].copy_(tensor)
+            view = dst[name]
+            if tensor.data_ptr() != view.data_ptr():
+                view.copy_(tensor)
 
 
 def _owner(model: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str]:

@@ -6,9 +6,7 @@ to every receiver; nothing is gathered on one rank. Pairs (rather than one group
 receiver) keep a failure local: a receiver that dies breaks only its own pair, the publisher names
 it and carries on with the others. ``publish`` packs the tensors into a send buffer allocated
 once, issues the sends and returns, so the trainer stalls for one memory copy plus any sends of
-the previous version still in flight. (Issuing each bucket's sends as soon as it is packed gained
-~2% at 1B: receivers post their receives only once they hold the ticket, and on two cores the
-copy and the transfer compete for the same CPUs. It also let the stall grow with receivers.)
+the previous version still in flight.
 
 ``bind`` moves the trainer's tensors into the send buffer itself, so a publish copies nothing
 and sends straight from the trainer's memory (and the trainer holds no second copy of its
@@ -38,13 +36,13 @@ import torch.distributed as dist
 from torch import Tensor
 
 from relayrl.weight_sync.base import ReceiverBase, ReceiveStats, Ticket
-from relayrl.weight_sync.buckets import Layout
+from relayrl.weight_sync.buckets import Layout, copy_into
 
 BACKENDS = ("gloo",)
 
 
 def _pair(
-    store: dist.Store, receiver: str, rank: int, timeout_s: float, stream: int = 0
+    store: dist.Store, receiver: str, rank: int, timeout_s: float, stream: int
 ) -> dist.ProcessGroup:
     """Stream ``stream`` of the two-process gloo groups between a publisher (rank 0) and
     ``receiver`` (rank 1)."""
@@ -191,11 +189,7 @@ class Publisher:
         start = time.perf_counter()
         self.finish()
         self.layout.check(tensors)
-        with torch.no_grad():
-            for name, tensor in tensors.items():
-                view = self.views[name]
-                if tensor.data_ptr() != view.data_ptr():  # else bound: already in place
-                    view.copy_(tensor)
+        copy_into(self.views, tensors)
         self._issuing = self._sender.submit(self._issue, list(self.groups.items()))
         stall = time.perf_counter() - start
         return Ticket(self.kind, self.shard, version, None, stall, self.layout.nbytes)
