@@ -46,7 +46,7 @@ from relayrl.observability.metrics import MetricsLog, RunTally
 from relayrl.observability.plots import plot_learning_curve, plot_timeline
 from relayrl.observability.report import write_report
 from relayrl.observability.tracing import Span, busy_seconds, chrome_trace, write_trace
-from relayrl.types import Segment
+from relayrl.types import Segment, StepResult
 
 
 async def run_sync(cfg: Config, ex: Executors, tally: RunTally, log: MetricsLog) -> int:
@@ -60,13 +60,13 @@ async def run_sync(cfg: Config, ex: Executors, tally: RunTally, log: MetricsLog)
     while tally.steps < cfg.steps:
         meta_ref, batch_ref = ex.generator.generate.options(num_returns=2).remote()
         score_ref, scored_ref = ex.rewarder.score.options(num_returns=2).remote(batch_ref)
-        metrics_ref = ex.trainer.train_step.remote(scored_ref)
+        result_ref = ex.trainer.train_step.remote(scored_ref)
         ex.generator.update_weights.remote(ex.trainer.publish.remote())
-        meta, score, metrics = await asyncio.gather(meta_ref, score_ref, metrics_ref)
+        meta, score, result = await asyncio.gather(meta_ref, score_ref, result_ref)
         tally.on_generated(meta.samples, meta.busy_s)
         tally.on_scored(score["busy_s"], score["errors"], score["timeouts"])
         if meta.samples:
-            await _log_step(cfg, tally, log, metrics, functools.partial(_evaluate, ex))
+            await _log_step(cfg, tally, log, result, functools.partial(_evaluate, ex))
     return 0
 
 
@@ -119,10 +119,10 @@ async def run_async(cfg: Config, ex: Executors, tally: RunTally, log: MetricsLog
     try:
         while tally.steps < cfg.steps:
             _, scored_ref = await _get_or_raise(scored, workers)
-            metrics = await ex.trainer.train_step.remote(scored_ref)
-            if metrics["stepped"]:
+            result = await ex.trainer.train_step.remote(scored_ref)
+            if result.stepped:
                 ex.generator.update_weights.remote(ex.trainer.publish.remote())
-            await _log_step(cfg, tally, log, metrics, functools.partial(_evaluate, ex))
+            await _log_step(cfg, tally, log, result, functools.partial(_evaluate, ex))
             async with published:
                 published.notify_all()
     finally:
@@ -173,10 +173,10 @@ async def run_lockstep(
         while sum(len(s) for s in segments) < cfg.replay.batch_steps:
             segments += await _lockstep(ex.workers, ex.inference_service, [1] * len(ex.workers))
         tally.on_generated(sum(len(s) for s in segments), time.time() - start)
-        metrics = await ex.trainer.train_step.remote(segments)
+        result = await ex.trainer.train_step.remote(segments)
         await ex.inference_service.update_weights.remote(ex.trainer.publish.remote())
-        metrics |= await _episode_feedback(cfg, ex, choice, tally.steps + 1)
-        await _log_step(cfg, tally, log, metrics, functools.partial(_evaluate_embodied, cfg, ex))
+        result.metrics |= await _episode_feedback(cfg, ex, choice, tally.steps + 1)
+        await _log_step(cfg, tally, log, result, functools.partial(_evaluate_embodied, cfg, ex))
     return {"prefetched": 0, "occupancy": []}
 
 
@@ -202,13 +202,13 @@ async def run_streaming(
     runs = [asyncio.ensure_future(w.run.remote(service, sink)) for w in ex.workers]
     occupancy = []
     while tally.steps < cfg.steps:
-        metrics = await _first_or_raise(ex.trainer.train_next.remote(), runs)
-        if metrics["stepped"]:
+        result = await _first_or_raise(ex.trainer.train_next.remote(), runs)
+        if result.stepped:
             ex.inference_service.update_weights.remote(ex.trainer.publish.remote())
-        metrics |= await _episode_feedback(cfg, ex, choice, tally.steps + 1)
-        metrics["replay/occupancy"] = (await ex.replay_buffer.stats.remote())["occupancy"]
-        occupancy.append(metrics["replay/occupancy"])
-        await _log_step(cfg, tally, log, metrics, functools.partial(_evaluate_embodied, cfg, ex))
+        result.metrics |= await _episode_feedback(cfg, ex, choice, tally.steps + 1)
+        occupancy.append((await ex.replay_buffer.stats.remote())["occupancy"])
+        result.metrics["replay/occupancy"] = occupancy[-1]
+        await _log_step(cfg, tally, log, result, functools.partial(_evaluate_embodied, cfg, ex))
     await asyncio.gather(*(w.stop.remote() for w in ex.workers))
     await asyncio.gather(*runs)  # each run returns after its last put
     # No more puts: closing the buffer ends a fetch still waiting, so what the trainer holds is
@@ -632,11 +632,11 @@ async def _log_step(
     cfg: Config,
     tally: RunTally,
     log: MetricsLog,
-    metrics: dict,
+    result: StepResult,
     evaluate: Callable[[], Awaitable[dict]],
 ) -> None:
     """Log a finished train step; every ``log.eval_every`` steps also ``evaluate()``."""
-    out = tally.on_trained(metrics)
+    out = tally.on_trained(result)
     if tally.steps % cfg.log.every == 0 or tally.steps == cfg.steps:
         log.log(tally.steps, out)
     if cfg.log.eval_every and tally.steps % cfg.log.eval_every == 0 and tally.steps < cfg.steps:

@@ -98,3 +98,34 @@ class Segment:
 
     def __len__(self) -> int:
         return int(self.actions.shape[0])
+
+
+@dataclass
+class StepResult:
+    """What one train step did. The typed fields are control (the controller decides on them and
+    keeps the books with them); ``metrics`` is for logging only."""
+
+    stepped: bool  # an optimizer step was taken and the version bumped
+    version: int  # the trainer's policy version after the step
+    received: int  # samples (completions, or env steps) the step was given
+    trained: int  # of those, samples within max_staleness (trained on, or zero-signal skipped)
+    dropped_stale: int  # of those, samples dropped for lagging more than max_staleness
+    lags: list[int]  # lags[k]: trained samples k versions old
+    train_s: float  # seconds the step took
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def merge(cls, results: list[StepResult]) -> StepResult:
+        """One step of a trainer group: counts add up over ranks, metrics come from rank 0."""
+        first = results[0]
+        width = max(len(r.lags) for r in results)
+        return cls(
+            stepped=first.stepped,
+            version=first.version,
+            received=sum(r.received for r in results),
+            trained=sum(r.trained for r in results),
+            dropped_stale=sum(r.dropped_stale for r in results),
+            lags=[sum(r.lags[k] for r in results if k < len(r.lags)) for k in range(width)],
+            train_s=max(r.train_s for r in results),
+            metrics=first.metrics,
+        )

@@ -42,9 +42,9 @@ def test_sample_older_than_max_staleness_is_never_trained_on_and_is_counted():
     trainer = Trainer(tiny_config("max_staleness=2"))
     trainer.version = 5
     before = _params(trainer)
-    metrics = trainer.train_step(_batch([2]))  # lag 3 > 2
-    assert metrics["stepped"] == 0.0
-    assert metrics["samples/dropped_stale"] == 2 and metrics["samples/trained"] == 0
+    result = trainer.train_step(_batch([2]))  # lag 3 > 2
+    assert not result.stepped and result.version == 5
+    assert (result.received, result.dropped_stale, result.trained) == (2, 2, 0)
     assert trainer.version == 5 and trainer.dropped_stale == 2
     assert all(torch.equal(a, b) for a, b in zip(before, _params(trainer), strict=True))
 
@@ -56,11 +56,11 @@ def test_mixed_batch_trains_exactly_on_the_fresh_groups():
     )
     mixed.version = fresh_only.version = 4
     stale_and_fresh = _batch([1, 3, 4])  # lags 3, 1, 0: the first group goes
-    metrics = mixed.train_step(stale_and_fresh)
+    result = mixed.train_step(stale_and_fresh)
     fresh_only.train_step(stale_and_fresh.select(np.array([False, False, True, True, True, True])))
-    assert metrics["samples/dropped_stale"] == 2 and metrics["samples/trained"] == 4
-    assert metrics["lags"] == [2, 2]  # two samples at lag 0, two at lag 1
-    assert mixed.version == 5
+    assert result.dropped_stale == 2 and result.trained == 4
+    assert result.lags == [2, 2]  # two samples at lag 0, two at lag 1
+    assert mixed.version == result.version == 5
     assert all(
         torch.allclose(a, b) for a, b in zip(_params(mixed), _params(fresh_only), strict=True)
     )
@@ -69,8 +69,9 @@ def test_mixed_batch_trains_exactly_on_the_fresh_groups():
 def test_a_step_changes_parameters_and_bumps_the_version():
     trainer = Trainer(tiny_config())
     before = _params(trainer)
-    metrics = trainer.train_step(_batch([0, 0]))
-    assert metrics["stepped"] == 1.0 and trainer.version == 1
+    result = trainer.train_step(_batch([0, 0]))
+    assert result.stepped and trainer.version == result.version == 1
+    assert result.metrics["version"] == 1.0 and "loss/value" in result.metrics
     assert any(not torch.equal(a, b) for a, b in zip(before, _params(trainer), strict=True))
     trainer.open_sync("shm", ["generator"])
     ticket = trainer.publish()
@@ -79,13 +80,21 @@ def test_a_step_changes_parameters_and_bumps_the_version():
     trainer.sync.publisher.close()
 
 
+def test_an_empty_batch_is_a_step_that_takes_no_update():
+    trainer = Trainer(tiny_config("max_staleness=1"))
+    result = trainer.train_step(_batch([0]).select(np.array([False, False])))
+    assert not result.stepped and (result.received, result.trained) == (0, 0)
+    assert result.lags == [0, 0] and trainer.version == 0
+
+
 def test_all_equal_rewards_give_no_gradient_signal():
     trainer = Trainer(tiny_config())
     batch = _batch([0])
     batch.rewards[:] = 1.0
     before = _params(trainer)
-    metrics = trainer.train_step(batch)
-    assert metrics["rollout/zero_signal_groups"] == 1.0
+    result = trainer.train_step(batch)
+    assert result.metrics["rollout/zero_signal_groups"] == 1.0
+    assert not result.stepped and result.trained == 2 and trainer.version == 0
     # zero advantages: a zero gradient, and AdamW without weight decay leaves parameters as they are
     assert all(torch.equal(a, b) for a, b in zip(before, _params(trainer), strict=True))
 
@@ -139,7 +148,7 @@ def test_in_place_sync_sends_the_trained_weights_from_the_trainers_memory():
     assert all(start <= p.data_ptr() < end for p in trainer.model.parameters())
     for step in range(2):
         before = _params(trainer)
-        assert trainer.train_step(_batch([step, step]))["stepped"] == 1.0
+        assert trainer.train_step(_batch([step, step])).stepped
         after = _params(trainer)
         assert any(not torch.equal(a, b) for a, b in zip(before, after, strict=True))
         assert generator.update_weights(trainer.publish()) == trainer.version == step + 1

@@ -112,13 +112,14 @@ def test_values_come_from_the_current_critic_not_the_recorded_ones():
 def test_a_step_changes_parameters_bumps_the_version_and_reports_losses():
     trainer = make_trainer("trainer.minibatch_steps=4", "trainer.epochs=2")
     before = {k: v.clone() for k, v in trainer.policy.state_dict().items()}
-    metrics = trainer.train_step(SEGMENTS)
-    assert trainer.version == 1 and metrics["version"] == 1.0 and metrics["stepped"] == 1.0
+    result = trainer.train_step(SEGMENTS)
+    metrics = result.metrics
+    assert trainer.version == result.version == 1 and metrics["version"] == 1.0 and result.stepped
     changed = [k for k, v in trainer.policy.state_dict().items() if not torch.equal(v, before[k])]
     assert "action_head.weight" in changed and "value_head.mlp.2.weight" in changed
-    assert metrics["samples/trained"] == 10 and trainer.trained == 10
+    assert result.trained == 10 and trainer.trained == 10
     assert metrics["rollout/accuracy"] == 1.0 and metrics["rollout/episodes_ended"] == 2
-    assert metrics["lags"] == [10, 0, 0] and metrics["staleness/max"] == 0
+    assert result.lags == [10, 0, 0] and metrics["staleness/max"] == 0
     assert np.isfinite(
         [metrics["loss/policy"], metrics["loss/value"], metrics["loss/entropy"]]
     ).all()
@@ -130,12 +131,12 @@ def test_stale_segments_are_dropped_and_counted():
     trainer.version = 5
     batch = [segment(3, seed=0, version=2), segment(2, seed=1, version=3)]
     batch[1].versions[0] = 4  # a segment's oldest action decides
-    metrics = trainer.train_step(batch)
-    assert (metrics["samples/dropped_stale"], metrics["samples/trained"]) == (3.0, 2.0)
-    assert metrics["lags"] == [0, 1, 1] and metrics["staleness/max"] == 2
+    result = trainer.train_step(batch)
+    assert (result.dropped_stale, result.trained) == (3, 2)
+    assert result.lags == [0, 1, 1] and result.metrics["staleness/max"] == 2
     assert (trainer.dropped_stale, trainer.trained, trainer.version) == (3, 2, 6)
-    metrics = trainer.train_step([segment(2, seed=0, version=1)])
-    assert metrics["stepped"] == 0.0 and trainer.version == 6 and trainer.dropped_stale == 5
+    result = trainer.train_step([segment(2, seed=0, version=1)])
+    assert not result.stepped and trainer.version == 6 and trainer.dropped_stale == 5
 
 
 def test_the_loss_is_chosen_by_name_and_gipo_is_the_embodied_default():

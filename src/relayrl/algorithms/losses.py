@@ -180,6 +180,14 @@ LOSSES: dict[str, LossFn] = {
     "gipo": gipo_loss,
 }
 
+# Each loss's keyword arguments, and the ``trainer`` config field that sets each one.
+LOSS_OPTIONS: dict[str, dict[str, str]] = {
+    "aipo": {"rho": "aipo_rho"},
+    "aipo_clamp": {"rho": "aipo_rho"},
+    "ppo_clip": {"clip_eps": "ppo_clip_eps"},
+    "gipo": {"sigma": "gipo_sigma", "neg_ratio": "gipo_neg_ratio"},
+}
+
 
 def _prepare(
     logp: Tensor, mu_logp: Tensor, advantages: Tensor, mask: Tensor

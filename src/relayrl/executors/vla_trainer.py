@@ -21,9 +21,7 @@ that fetches the next super-batch from the replay-buffer actor while the current
 
 from __future__ import annotations
 
-import copy
 import json
-import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -36,15 +34,12 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from relayrl.algorithms.advantages import gae
-from relayrl.algorithms.losses import LOSSES
 from relayrl.algorithms.normalization import global_normalize
 from relayrl.config import Config
 from relayrl.executors.replay_buffer import Prefetcher, ReplayBufferClosed
+from relayrl.executors.trainer_core import TrainerCore
 from relayrl.models.vla import VLAConfig, VLAPolicy
-from relayrl.observability.tracing import Span, Tracer
-from relayrl.types import Segment
-from relayrl.weight_sync import TRANSPORTS, Ticket
-from relayrl.weight_sync.base import TrainerSide
+from relayrl.types import Segment, StepResult
 
 
 @dataclass
@@ -117,7 +112,7 @@ def micro_batches(segments: list[Segment], max_steps: int) -> list[list[Segment]
     return groups
 
 
-class VLATrainer:
+class VLATrainer(TrainerCore):
     """Actor-critic update of a ``VLAPolicy``; a Ray actor in a run, a plain object in tests."""
 
     name = "trainer"
@@ -125,32 +120,11 @@ class VLATrainer:
     def __init__(self, cfg: Config, vla: VLAConfig):
         torch.set_num_threads(cfg.ray.threads_per_executor)
         torch.manual_seed(cfg.run.seed)
-        self.cfg = cfg
         self.tc = cfg.trainer
         self.vla = vla
         self.policy = VLAPolicy(vla).train()
-        self.optimizer = torch.optim.AdamW(
-            self.policy.parameters(), lr=self.tc.lr, eps=1e-5, weight_decay=self.tc.weight_decay
-        )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
-        self.loss_fn = LOSSES[self.tc.loss]
-        self.loss_kwargs = {
-            "aipo": {"rho": self.tc.aipo_rho},
-            "aipo_clamp": {"rho": self.tc.aipo_rho},
-            "ppo_clip": {"clip_eps": self.tc.ppo_clip_eps},
-            "gipo": {"sigma": self.tc.gipo_sigma, "neg_ratio": self.tc.gipo_neg_ratio},
-        }[self.tc.loss]
+        super().__init__(cfg, self.policy, adam_eps=1e-5)
         self.generator = torch.Generator().manual_seed(cfg.run.seed + 5)
-        self.version = 0
-        self.tracer = Tracer(self.name)
-        self.trained = 0  # env steps
-        self.dropped_stale = 0
-        self.sync = TrainerSide(
-            timeout_s=cfg.sync.timeout_s,
-            bucket_bytes=cfg.sync.bucket_mb << 20,
-            streams=cfg.sync.streams,
-            in_place=cfg.sync.in_place,
-        )
         self._prefetch: Prefetcher | None = None
 
     def advantages(self, segments: list[Segment]) -> dict[str, Any]:
@@ -191,53 +165,52 @@ class VLATrainer:
             for key in parts[0]
         }
 
-    def train_step(self, segments: list[Segment]) -> dict[str, float]:
+    def train_step(self, segments: list[Segment]) -> StepResult:
         """Drop stale segments, update on the rest, bump the version."""
         with self.tracer.span("train_step", self.version):
             return self._train_step(segments)
 
-    def _train_step(self, segments: list[Segment]) -> dict[str, float]:
+    def _train_step(self, segments: list[Segment]) -> StepResult:
         start = time.perf_counter()
         received = sum(len(s) for s in segments)
         oldest_allowed = self.version - self.cfg.max_staleness
         fresh = [s for s in segments if int(s.versions.min()) >= oldest_allowed]
         dropped = received - sum(len(s) for s in fresh)
         self.dropped_stale += dropped
-        metrics: dict[str, Any] = {
-            "samples/received": float(received),
-            "samples/dropped_stale": float(dropped),
-            "samples/trained": float(received - dropped),
-        }
-        if not fresh:
-            return metrics | {"perf/train_s": time.perf_counter() - start, "stepped": 0.0}
         self.trained += received - dropped
-        data = self.advantages(fresh)
-        lag = (self.version - data["versions"]).numpy()
-        ended = [s for s in fresh if s.episode_done]
-        metrics |= {
-            "rollout/reward_mean": float(np.mean(np.concatenate([s.rewards for s in fresh]))),
-            "rollout/episodes_ended": float(len(ended)),
-            "rollout/value_mean": float(data["values"].mean()),
-            "staleness/mean": float(lag.mean()),
-            "staleness/max": float(lag.max()),
-            "lags": np.bincount(lag, minlength=self.cfg.max_staleness + 1).tolist(),
-        }
-        if ended:  # the progress bar and learning curve read rollout/accuracy
-            metrics["rollout/accuracy"] = float(np.mean([s.success for s in ended]))
-        advantages = global_normalize(data["advantages"], torch.ones_like(data["advantages"]))
-        losses = self._update(data, advantages)
-        self.scheduler.step()
-        self.version += 1
-        return (
-            metrics
-            | losses
-            | {
-                "stepped": 1.0,
+        result = StepResult(
+            stepped=bool(fresh),
+            version=self.version,
+            received=received,
+            trained=received - dropped,
+            dropped_stale=dropped,
+            lags=[0] * (self.cfg.max_staleness + 1),
+            train_s=0.0,
+        )
+        if fresh:
+            data = self.advantages(fresh)
+            lag = (self.version - data["versions"]).numpy()
+            result.lags = np.bincount(lag, minlength=self.cfg.max_staleness + 1).tolist()
+            ended = [s for s in fresh if s.episode_done]
+            metrics: dict[str, float] = {
+                "rollout/reward_mean": float(np.mean(np.concatenate([s.rewards for s in fresh]))),
+                "rollout/episodes_ended": float(len(ended)),
+                "rollout/value_mean": float(data["values"].mean()),
+                "staleness/mean": float(lag.mean()),
+                "staleness/max": float(lag.max()),
+            }
+            if ended:  # the progress bar and learning curve read rollout/accuracy
+                metrics["rollout/accuracy"] = float(np.mean([s.success for s in ended]))
+            advantages = global_normalize(data["advantages"], torch.ones_like(data["advantages"]))
+            metrics |= self._update(data, advantages)
+            self.bump_version()
+            result.metrics = metrics | {
                 "loss/lr": self.scheduler.get_last_lr()[0],
-                "perf/train_s": time.perf_counter() - start,
                 "version": float(self.version),
             }
-        )
+        result.version = self.version
+        result.train_s = time.perf_counter() - start
+        return result
 
     def _update(self, data: dict[str, Any], advantages: Tensor) -> dict[str, float]:
         """``epochs`` passes of shuffled minibatches; returns the mean of each loss metric."""
@@ -261,18 +234,12 @@ class VLATrainer:
                 entropy = entropy.mean()
                 loss = policy_loss + self.tc.value_coef * value_loss
                 loss = loss - self.tc.entropy_coef * entropy
-                self.optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                grad_norm = torch.nn.utils.clip_grad_norm_(
-                    self.policy.parameters(), self.tc.grad_clip
-                )
-                self.sync.writable()  # in place: the sends of the last publish read these tensors
-                self.optimizer.step()
+                grad_norm = self.apply_gradients(loss, self.optimizer)
                 step = {
                     "loss/policy": float(policy_loss.detach()),
                     "loss/value": float(value_loss.detach()),
                     "loss/entropy": float(entropy.detach()),
-                    "loss/grad_norm": float(grad_norm),
+                    "loss/grad_norm": grad_norm,
                     **{f"loss/{k}": v for k, v in stats.items()},
                 }
                 for key, value in step.items():
@@ -287,7 +254,7 @@ class VLATrainer:
             lambda: ray.get(buffer.get.remote(batch_steps, self.version)), name="replay-prefetch"
         )
 
-    def train_next(self) -> dict[str, float]:
+    def train_next(self) -> StepResult:
         """Train on the prefetched super-batch (waiting for it if need be)."""
         if self._prefetch is None:
             raise RuntimeError("call attach_buffer() before train_next()")
@@ -309,31 +276,6 @@ class VLATrainer:
         self._prefetch = None
         return sum(len(s) for s in segments)
 
-    def open_sync(self, transport: str, receivers: list[str], host: str = "127.0.0.1") -> dict:
-        """Create the weight-sync publisher; returns the address receivers attach to."""
-        return self.sync.open(TRANSPORTS[transport], self.policy, receivers, host)
-
-    def connect_sync(self) -> None:
-        """Rendezvous with the receivers (they call their ``connect_sync`` meanwhile)."""
-        self.sync.publisher.connect()
-
-    def publish(self) -> Ticket:
-        """Publish the current weights as the current version; returns the receivers' ticket."""
-        with self.tracer.span("publish", self.version):
-            return self.sync.publish(self.version, self.policy.state_dict())
-
-    def node(self) -> tuple[str, str]:
-        """The Ray node id and IP address this executor runs on."""
-        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
-
-    def sync_stats(self) -> dict:
-        """Trainer-side stall of every publish, in order, and the receivers lost."""
-        return self.sync.stats()
-
-    def close_sync(self) -> None:
-        """Close the weight-sync publisher before the actor is killed."""
-        self.sync.close()
-
     def save_pretrained(self, path: str) -> str:
         """Save ``model.safetensors`` and ``vla_config.json`` (``VLAPolicy(VLAConfig(**json))``
         rebuilds the model) into the directory ``path``."""
@@ -344,48 +286,11 @@ class VLATrainer:
         (out / "vla_config.json").write_text(json.dumps(asdict(self.vla), indent=2) + "\n")
         return str(out)
 
-    def stats(self) -> dict[str, float]:
-        """Counters for the run summary (``trained`` and ``dropped_stale`` in env steps)."""
-        return {
-            "busy_s": self.tracer.busy_s(),
-            "version": self.version,
-            "trained": self.trained,
-            "dropped_stale": self.dropped_stale,
-        }
-
-    def trace(self) -> tuple[list[Span], list[Span]]:
-        """Busy spans and waits recorded so far."""
-        return self.tracer.spans, self.tracer.waits
-
     def state_dict(self) -> dict:
-        """A snapshot (not a view) of policy, optimizer, version and counters."""
-        return copy.deepcopy(
-            {
-                "policy": self.policy.state_dict(),
-                "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(),
-                "generator": self.generator.get_state(),
-                "version": self.version,
-                "trained": self.trained,
-                "dropped_stale": self.dropped_stale,
-            }
-        )
+        """The core's snapshot plus the minibatch shuffling generator."""
+        return super().state_dict() | {"generator": self.generator.get_state()}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what ``state_dict`` saved."""
-        self.sync.writable()
-        self.policy.load_state_dict(state["policy"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        super().load_state_dict(state)
         self.generator.set_state(state["generator"])
-        self.version = state["version"]
-        self.trained = state["trained"]
-        self.dropped_stale = state["dropped_stale"]
-
-    def _lr_factor(self, update: int) -> float:
-        """Multiplier of the learning rate after ``update`` train steps."""
-        if self.tc.lr_schedule == "constant":
-            return 1.0
-        progress = min(update / max(self.cfg.steps, 1), 1.0)
-        final = self.tc.lr_final_ratio
-        return final + (1 - final) * 0.5 * (1 + math.cos(math.pi * progress))

@@ -14,6 +14,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from relayrl.observability.tracing import Tracer
+from relayrl.types import StepResult
 
 
 class MetricsLog:
@@ -112,20 +113,24 @@ class RunTally:
         self.score_errors += errors
         self.score_timeouts += timeouts
 
-    def on_trained(self, metrics: dict) -> dict[str, float]:
+    def on_trained(self, result: StepResult) -> dict[str, float]:
         """A train step finished; returns the metrics to log for it."""
-        self.trained += int(metrics["samples/trained"])
-        self.dropped_stale += int(metrics["samples/dropped_stale"])
-        self.train_s.append(metrics["perf/train_s"])
-        for lag, count in enumerate(metrics.get("lags", [])):
+        self.trained += result.trained
+        self.dropped_stale += result.dropped_stale
+        self.train_s.append(result.train_s)
+        for lag, count in enumerate(result.lags):
             if count:
                 self.lag_hist[lag] += count
         self.steps += 1
-        self.updates += int(metrics["stepped"])
+        self.updates += int(result.stepped)
         self._bar.update(1)
         elapsed = time.perf_counter() - self._start
-        out = {k: v for k, v in metrics.items() if k not in ("lags", "stepped")}
+        out = dict(result.metrics)
         out |= {
+            "samples/received": float(result.received),
+            "samples/trained": float(result.trained),
+            "samples/dropped_stale": float(result.dropped_stale),
+            "perf/train_s": result.train_s,
             "perf/samples_per_s": self.trained / max(elapsed, 1e-9),
             "perf/step_time_s": elapsed / max(self.steps, 1),
             "samples/generated_total": float(self.generated),
