@@ -139,6 +139,12 @@ class GeneratorConfig(_Section):
         ge=1,
         description="Tokens generated per call; unfinished completions resume in a later call.",
     )
+    replicas: int = Field(
+        1,
+        ge=1,
+        description="Generator replicas, each a weight-sync receiver; in async mode each runs "
+        "its own rollout loop behind the one staleness gate.",
+    )
 
 
 class RewarderConfig(_Section):
@@ -152,10 +158,21 @@ class RewarderConfig(_Section):
     workers: int = Field(2, ge=1, description="math: scoring worker processes.")
     timeout_s: float = Field(5.0, gt=0, description="math: per-item wall-clock limit; scores 0.")
     memory_mb: int = Field(1024, ge=64, description="math: address-space limit of each worker.")
+    replicas: int = Field(
+        1, ge=1, description="Rewarder replicas; in async mode each runs its own scoring loop."
+    )
 
 
 class TrainerConfig(_Section):
     """Policy update."""
+
+    ranks: int = Field(
+        1,
+        ge=1,
+        description="Trainer ranks: one torch.distributed group (gloo on CPU) with the model "
+        "sharded by FSDP2; each rank trains on its share of every batch, and each publishes its "
+        "own shard of the weights to every receiver.",
+    )
 
     loss: str = Field(
         "aipo",
@@ -301,6 +318,12 @@ class InferenceConfig(_Section):
     max_batch: int = Field(8, ge=1, description="Most observations one forward pass answers.")
     max_wait_ms: float = Field(
         2.0, ge=0, description="Flush a batch this long after its oldest request arrived."
+    )
+    replicas: int = Field(
+        1,
+        ge=1,
+        description="Inference-service replicas, each a weight-sync receiver; rollout workers "
+        "are spread over them in turn.",
     )
 
 
@@ -479,6 +502,12 @@ class Config(_Section):
             raise ValueError(
                 f"env.image_size={self.env.image_size} must be a multiple of "
                 f"vla.patch_size={self.vla.patch_size}"
+            )
+        if self.sync.in_place and self.trainer.ranks > 1:
+            raise ValueError(
+                f"sync.in_place=true with trainer.ranks={self.trainer.ranks}: FSDP2 owns the "
+                "memory of sharded parameters, so they cannot be bound into the send buffer; "
+                "use sync.in_place=false or trainer.ranks=1"
             )
         return self
 
