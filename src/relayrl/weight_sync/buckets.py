@@ -4,12 +4,17 @@ Every transport moves the same thing: the bytes of a ``Layout``, a fixed arrange
 tensors in one flat byte buffer, split into buckets. The trainer packs its tensors into that
 buffer (or straight into shared memory) once per version; a receiver fills one of its two slots
 and swaps it in between forward passes, so no forward ever sees a mix of two versions.
+
+A tensor in a layout is either whole or a *piece*: rows ``[start, start + its rows)`` of a full
+tensor (what each rank of a row-sharded trainer holds, see ``sharding.py``). A receiver whose
+shards send pieces holds the full tensors and writes each piece into its rows.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -32,6 +37,10 @@ QUANTIZED: dict[str, tuple[torch.dtype, float]] = {
     "fp8": (torch.float8_e4m3fn, 448.0),
 }
 SCALE = "::scale"  # suffix of the name under which a quantised tensor's row scales travel
+
+Rows = Mapping[str, tuple[int, tuple[int, ...]]]
+"""Which tensors are pieces: name -> (first row, full shape); the tensor holds rows
+``[first, first + tensor.shape[0])`` of a tensor of the full shape."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -95,11 +104,37 @@ class TensorSpec:
     dtype: str
     offset: int
     nbytes: int
+    full_shape: tuple[int, ...] | None = None  # set for a piece: the shape of its full tensor
+    row_start: int = 0  # a piece's first row in its full tensor
+
+    @property
+    def row_stop(self) -> int:
+        """One past a piece's last row in its full tensor."""
+        return self.row_start + self.shape[0]
+
+
+def _piece(
+    name: str, shape: tuple[int, ...], start: int, full_shape: Sequence[int]
+) -> tuple[int, ...]:
+    """``full_shape`` as a tuple of ints, once rows [start, start + shape[0]) fit in it."""
+    full = tuple(int(d) for d in full_shape)
+    if not full or len(shape) != len(full) or shape[1:] != full[1:]:
+        raise ValueError(
+            f"piece {name!r} of shape {shape} cannot be rows of a tensor of shape {full}: "
+            "every dimension but the first must agree"
+        )
+    if start < 0 or start + shape[0] > full[0]:
+        raise ValueError(
+            f"piece {name!r}: rows [{start}, {start + shape[0]}) fall outside the {full[0]} rows "
+            f"of its full shape {full}"
+        )
+    return full
 
 
 @dataclass(frozen=True)
 class Layout:
-    """Named tensors laid out in one flat byte buffer, cut into buckets of whole tensors."""
+    """Named tensors (whole or pieces) laid out in one flat byte buffer, cut into buckets of
+    whole entries."""
 
     specs: tuple[TensorSpec, ...]
     nbytes: int
@@ -112,15 +147,27 @@ class Layout:
         *,
         bucket_bytes: int = 256 << 20,
         dtype: torch.dtype | None = None,
+        rows: Rows | None = None,
     ) -> Layout:
-        """The layout of ``tensors``, with floating tensors cast to ``dtype`` when one is given."""
+        """The layout of ``tensors``, with floating tensors cast to ``dtype`` when one is given;
+        the tensors named in ``rows`` are pieces of full tensors."""
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+        rows = rows or {}
+        unknown = sorted(set(rows) - set(tensors))
+        if unknown:
+            raise ValueError(f"rows names tensors that are not among the tensors: {unknown[:5]}")
         specs, offset = [], 0
         for name, tensor in tensors.items():
             tdtype = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
             nbytes = tensor.numel() * torch.empty((), dtype=tdtype).element_size()
-            specs.append(TensorSpec(name, tuple(tensor.shape), dtype_name(tdtype), offset, nbytes))
+            shape = tuple(tensor.shape)
+            start, full = rows.get(name, (0, None))
+            if full is not None:
+                full = _piece(name, shape, start, full)
+            specs.append(
+                TensorSpec(name, shape, dtype_name(tdtype), offset, nbytes, full, int(start))
+            )
             offset += -(-nbytes // ALIGN) * ALIGN
         buckets, start = [], 0
         for spec in specs:
@@ -133,6 +180,10 @@ class Layout:
 
     def astype(self, precision: str | None) -> Layout:
         """The layout a receiver in ``precision`` holds (None: the trainer's own)."""
+        if self.pieced:
+            raise ValueError(
+                "a receiver holds pieces as full tensors: take astype of the full tensors' layout"
+            )
         if precision is None:
             return self
         bucket_bytes = max((end - start for start, end in self.buckets), default=1)
@@ -145,6 +196,11 @@ class Layout:
             else:
                 fake[s.name] = torch.empty(s.shape, dtype=dtype, device="meta")
         return Layout.of(fake, bucket_bytes=bucket_bytes, dtype=precision_dtype(precision))
+
+    @property
+    def pieced(self) -> bool:
+        """Whether any tensor of this layout is a piece of a full tensor."""
+        return any(s.full_shape is not None for s in self.specs)
 
     @property
     def names(self) -> list[str]:
@@ -198,6 +254,72 @@ def _owner(model: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str]:
     return (model.get_submodule(path) if path else model), attr
 
 
+def _check_cover(state: Mapping[str, Tensor], layouts: Sequence[Layout]) -> None:
+    """Raise unless the shards' whole tensors and pieces make up ``state`` exactly once."""
+    pieces: dict[str, list[TensorSpec]] = {}
+    whole = []
+    for spec in (s for layout in layouts for s in layout.specs):
+        if spec.full_shape is None:
+            whole.append(spec.name)
+        else:
+            pieces.setdefault(spec.name, []).append(spec)
+    names = whole + list(pieces)
+    if sorted(names) != sorted(state):
+        missing = sorted(set(state) - set(names))
+        extra = sorted(set(names) - set(state))
+        twice = sorted(name for name, count in Counter(names).items() if count > 1)
+        raise ValueError(
+            f"the trainer's tensors do not match the receiver's model: "
+            f"model tensors not sent {missing[:5]}, sent tensors not in the model {extra[:5]}, "
+            f"sent more than once (whole, or whole and in pieces) {twice[:5]}"
+        )
+    for name, specs in pieces.items():
+        _check_tiling(name, specs, tuple(state[name].shape))
+
+
+def _check_tiling(name: str, specs: Sequence[TensorSpec], model_shape: tuple[int, ...]) -> None:
+    """Raise unless the pieces of ``name`` hold every row of the model's tensor exactly once."""
+    for spec in specs:
+        if spec.full_shape != model_shape:
+            raise ValueError(
+                f"tensor {name!r}: a piece gives its full shape as {spec.full_shape}, "
+                f"the receiver's model has {model_shape}"
+            )
+    dtypes = sorted({spec.dtype for spec in specs})
+    if len(dtypes) > 1:
+        raise ValueError(f"tensor {name!r}: its pieces disagree on the dtype: {dtypes}")
+    rows, covered = model_shape[0], 0
+    for spec in sorted((s for s in specs if s.shape[0]), key=lambda s: s.row_start):
+        if spec.row_start > covered:
+            raise _gap(name, covered, spec.row_start, rows)
+        if spec.row_start < covered:
+            raise ValueError(
+                f"tensor {name!r}: rows [{spec.row_start}, {min(covered, spec.row_stop)}) "
+                "are in more than one shard's piece"
+            )
+        covered = spec.row_stop
+    if covered < rows:
+        raise _gap(name, covered, rows, rows)
+
+
+def _gap(name: str, start: int, stop: int, rows: int) -> ValueError:
+    return ValueError(
+        f"tensor {name!r}: rows [{start}, {stop}) of its {rows} are in no shard's piece"
+    )
+
+
+def _full_layout(state: Mapping[str, Tensor], layouts: Sequence[Layout]) -> Layout:
+    """The layout of the model's full tensors, in the trainer's dtypes, that the shards' whole
+    tensors and pieces make up."""
+    specs = {s.name: s for layout in layouts for s in layout.specs}
+    full = {}
+    for name in state:
+        spec = specs[name]
+        shape = spec.shape if spec.full_shape is None else spec.full_shape
+        full[name] = torch.empty(shape, dtype=parse_dtype(spec.dtype), device="meta")
+    return Layout.of(full)
+
+
 class ReceiverState:
     """A receiver's weights: two slots, a serving lock, and an atomic swap between them.
 
@@ -208,6 +330,10 @@ class ReceiverState:
     version. New forwards wait while a swap is pending, so a steady stream of forward passes
     cannot starve it. In a quantised precision (``int8``, ``fp8``) each 2-D weight becomes a
     parametrization that dequantises the stored values with their row scales on access.
+
+    Each trainer shard sends whole tensors, pieces (rows of a full tensor), or both; the pieces
+    of a tensor over all shards must hold each of its rows once. When there are pieces, both
+    slots hold the full tensors in one buffer and ``fill`` writes each piece into its rows.
     """
 
     def __init__(
@@ -221,24 +347,20 @@ class ReceiverState:
         self.model = model
         self.precision = precision
         self.wire_layouts = list(layouts)
-        self.layouts = [layout.astype(precision) for layout in layouts]
         state = model.state_dict()
-        names = [s.name for layout in self.wire_layouts for s in layout.specs]
-        if sorted(names) != sorted(state):
-            missing = sorted(set(state) - set(names))
-            extra = sorted(set(names) - set(state))
-            raise ValueError(
-                f"the trainer's tensors do not match the receiver's model: "
-                f"model tensors not sent {missing[:5]}, sent tensors not in the model {extra[:5]}"
-            )
+        _check_cover(state, self.wire_layouts)
+        if any(layout.pieced for layout in self.wire_layouts):
+            self.layouts = [_full_layout(state, self.wire_layouts).astype(precision)]
+        else:
+            self.layouts = [layout.astype(precision) for layout in self.wire_layouts]
         self.quantized = (
             {s.name for layout in self.wire_layouts for s in layout.specs if _quantizable(s)}
             if precision in QUANTIZED
             else set()
         )
         self._slots_for: dict[str, Callable[[Tensor], None]] = {}
-        for name in names:
-            self._bind_target(name, state[name])
+        for name, tensor in state.items():
+            self._bind_target(name, tensor)
         if external_slots is None:
             self.slots = [[layout.allocate() for layout in self.layouts] for _ in range(2)]
         else:
@@ -277,17 +399,24 @@ class ReceiverState:
         """Index of the slot that no forward pass reads, to fill with the next version."""
         return 1 if self.active == 0 else 0
 
-    def fill(self, slot: int, tensors: Mapping[str, Tensor]) -> None:
-        """Write the trainer's ``tensors`` into ``slot``, cast or quantised to this precision."""
+    def fill(self, slot: int, tensors: Mapping[str, Tensor], layout: Layout) -> None:
+        """Write one shard's ``tensors`` (laid out as ``layout`` on the wire) into ``slot``, cast
+        or quantised to this precision; a piece goes into its rows of the full tensor."""
         views = self.views[slot]
+        rows = {
+            s.name: slice(s.row_start, s.row_stop) for s in layout.specs if s.full_shape is not None
+        }
         with torch.no_grad():
             for name, tensor in tensors.items():
+                where = rows.get(name, Ellipsis)  # Ellipsis: the whole tensor, 0-d ones too
                 if name in self.quantized:
+                    # Scales are per row, so a piece's values and scales are its rows of the
+                    # whole tensor's: quantising pieces is exact.
                     values, scale = quantize(tensor, self.precision)
-                    views[name].copy_(values)
-                    views[name + SCALE].copy_(scale)
+                    views[name][where].copy_(values)
+                    views[name + SCALE][where].copy_(scale)
                 else:
-                    views[name].copy_(tensor)
+                    views[name][where].copy_(tensor)
 
     @contextmanager
     def serving(self) -> Iterator[int]:

@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from relayrl.weight_sync.base import ReceiverBase, ReceiveStats, Ticket
-from relayrl.weight_sync.buckets import Layout
+from relayrl.weight_sync.buckets import Layout, Rows
 
 KEEP = 2  # newest files kept: a receiver may still be reading the older one
 
@@ -40,8 +40,9 @@ class Publisher:
         bucket_bytes: int = 256 << 20,
         directory: str | None = None,
         durable: bool = True,
+        rows: Rows | None = None,
     ):
-        self.layout = Layout.of(tensors, bucket_bytes=bucket_bytes)
+        self.layout = Layout.of(tensors, bucket_bytes=bucket_bytes, rows=rows)
         self.receivers = list(receivers)
         self.timeout_s = timeout_s
         self.shard = shard
@@ -110,7 +111,8 @@ class Receiver(ReceiverBase):
         slot = self.state.staging()
 
         def fetch() -> None:
-            for ticket in tickets:
-                self.state.fill(slot, load_file(ticket.payload))
+            ordered = sorted(tickets, key=lambda t: t.shard)
+            for a, ticket in zip(self.addresses, ordered, strict=True):
+                self.state.fill(slot, load_file(ticket.payload), a["layout"])
 
         return self._timed(fetch, slot, version)

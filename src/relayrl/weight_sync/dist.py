@@ -1,12 +1,12 @@
 """torch.distributed transport: gloo process pairs per (trainer shard, receiver), bucket by
 bucket, sends issued asynchronously.
 
-The DDMA analogue: every trainer shard has its own publisher and sends its own tensors straight
-to every receiver; nothing is gathered on one rank. Pairs (rather than one group holding every
-receiver) keep a failure local: a receiver that dies breaks only its own pair, the publisher names
-it and carries on with the others. ``publish`` packs the tensors into a send buffer allocated
-once, issues the sends and returns, so the trainer stalls for one memory copy plus any sends of
-the previous version still in flight.
+The DDMA analogue: every trainer shard has its own publisher and sends its own tensors (whole,
+or its rows of each as pieces) straight to every receiver; nothing is gathered on one rank. Pairs
+(rather than one group holding every receiver) keep a failure local: a receiver that dies breaks
+only its own pair, the publisher names it and carries on with the others. ``publish`` packs the
+tensors into a send buffer allocated once, issues the sends and returns, so the trainer stalls
+for one memory copy plus any sends of the previous version still in flight.
 
 ``bind`` moves the trainer's tensors into the send buffer itself, so a publish copies nothing
 and sends straight from the trainer's memory (and the trainer holds no second copy of its
@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from relayrl.weight_sync.base import ReceiverBase, ReceiveStats, Ticket
-from relayrl.weight_sync.buckets import Layout, copy_into
+from relayrl.weight_sync.buckets import Layout, Rows, copy_into
 
 BACKENDS = ("gloo",)
 
@@ -83,6 +83,7 @@ class Publisher:
         backend: str = "gloo",
         connect_timeout_s: float = 300.0,
         streams: int = 2,
+        rows: Rows | None = None,
     ):
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r} is not one of {BACKENDS}: CPU-only build")
@@ -91,10 +92,10 @@ class Publisher:
                 f"streams must be a positive int (pairs per receiver), got {streams!r}"
             )
         self.streams = streams
-        self.layout = Layout.of(tensors, bucket_bytes=bucket_bytes)
+        self.layout = Layout.of(tensors, bucket_bytes=bucket_bytes, rows=rows)
         if len(self.layout.buckets) < streams:  # cut smaller so that every pair carries some
             share = -(-self.layout.nbytes // streams)
-            self.layout = Layout.of(tensors, bucket_bytes=min(bucket_bytes, share))
+            self.layout = Layout.of(tensors, bucket_bytes=min(bucket_bytes, share), rows=rows)
         self.receivers = list(receivers)
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
@@ -256,8 +257,10 @@ class Receiver(ReceiverBase):
     ):
         super().__init__(model, addresses, name, precision=precision, timeout_s=timeout_s)
         self.connect_timeout_s = connect_timeout_s
-        casting = self.state.layouts != self.state.wire_layouts
-        self.wire = [a["layout"].allocate() for a in self.addresses] if casting else None
+        # In another precision, or with pieces to write into full tensors, the slots are not
+        # laid out as the wire: receive into wire buffers, then fill.
+        copying = self.state.layouts != self.state.wire_layouts
+        self.wire = [a["layout"].allocate() for a in self.addresses] if copying else None
         self.groups: list[list[dist.ProcessGroup]] = []
 
     def connect(self) -> None:
@@ -295,6 +298,6 @@ class Receiver(ReceiverBase):
                         f"{a['host']}:{a['port']} failed mid-transfer: {_first_line(e)}"
                     ) from e
                 if self.wire is not None:
-                    self.state.fill(slot, a["layout"].views(self.wire[i]))
+                    self.state.fill(slot, a["layout"].views(self.wire[i]), a["layout"])
 
         return self._timed(fetch, slot, version)

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from relayrl.weight_sync.base import ReceiverBase, ReceiveStats, Ticket
-from relayrl.weight_sync.buckets import Layout, parse_dtype
+from relayrl.weight_sync.buckets import Layout, Rows, parse_dtype
 
 KEEP = 2  # versions whose objects stay referenced: a receiver may still be fetching the older one
 
@@ -42,8 +42,9 @@ class Publisher:
         timeout_s: float = 60.0,
         shard: int = 0,
         bucket_bytes: int = 256 << 20,
+        rows: Rows | None = None,
     ):
-        self.layout = Layout.of(tensors, bucket_bytes=bucket_bytes)
+        self.layout = Layout.of(tensors, bucket_bytes=bucket_bytes, rows=rows)
         self.receivers = list(receivers)
         self.timeout_s = timeout_s
         self.shard = shard
@@ -97,6 +98,6 @@ class Receiver(ReceiverBase):
                         s.name: torch.from_numpy(arrays[s.name]).view(parse_dtype(s.dtype))
                         for s in a["layout"].specs
                     }
-                self.state.fill(slot, tensors)
+                self.state.fill(slot, tensors, a["layout"])
 
         return self._timed(fetch, slot, version)

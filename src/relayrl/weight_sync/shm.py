@@ -5,8 +5,9 @@ Publishes are numbered (a version may be published twice, e.g. during a warm sta
 trainer writes publish n into the slot that held publish n-2, so before writing it waits until
 every live receiver has swapped past n-2 (each receiver acknowledges the publish it serves in
 a small shared header). A receiver that does not within ``timeout_s`` is declared lost and the
-trainer carries on without it. A receiver in another precision copies (and casts) the slot into
-its own staging slot instead.
+trainer carries on without it. A receiver in another precision, or whose shards send pieces
+(rows of full tensors, which no one slot holds whole), copies the slots into its own staging slot
+instead.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 from torch import Tensor
 
 from relayrl.weight_sync.base import ReceiverBase, ReceiverLost, ReceiveStats, Ticket
-from relayrl.weight_sync.buckets import Layout, copy_into
+from relayrl.weight_sync.buckets import Layout, Rows, copy_into
 
 EVICTED = -2  # written into a lost receiver's acknowledgement
 POLL_S = 0.0002
@@ -51,10 +52,11 @@ class Publisher:
         shard: int = 0,
         bucket_bytes: int = 256 << 20,
         directory: str = "/dev/shm",
+        rows: Rows | None = None,
     ):
         if not os.path.isdir(directory):
             raise ValueError(f"shared-memory directory {directory!r} does not exist")
-        self.layout = Layout.of(tensors, bucket_bytes=bucket_bytes)
+        self.layout = Layout.of(tensors, bucket_bytes=bucket_bytes, rows=rows)
         self.receivers = list(receivers)
         self.timeout_s = timeout_s
         self.shard = shard
@@ -135,7 +137,8 @@ class Publisher:
 
 
 class Receiver(ReceiverBase):
-    """The receiver side: binds the model to the trainer's slot, or copies it when casting."""
+    """The receiver side: binds the model to the trainer's slot, or copies it when casting or
+    assembling pieces."""
 
     kind = "shm"
 
@@ -160,7 +163,9 @@ class Receiver(ReceiverBase):
             if name not in a["receivers"]:
                 raise ValueError(f"receiver {name!r} is not among the publisher's {a['receivers']}")
         self.index = [a["receivers"].index(name) for a in addresses]
-        self.zero_copy = all(a["layout"].astype(precision) == a["layout"] for a in addresses)
+        self.zero_copy = not any(a["layout"].pieced for a in addresses) and all(
+            a["layout"].astype(precision) == a["layout"] for a in addresses
+        )
         external = [[m[i] for m in self.maps] for i in range(2)] if self.zero_copy else None
         super().__init__(
             model,
@@ -196,8 +201,8 @@ class Receiver(ReceiverBase):
             slot = self.state.staging()
 
             def fetch() -> None:
-                for views, ticket in zip(self.wire_views, tickets, strict=True):
-                    self.state.fill(slot, views[ticket.payload[0]])
+                for a, views, ticket in zip(self.addresses, self.wire_views, tickets, strict=True):
+                    self.state.fill(slot, views[ticket.payload[0]], a["layout"])
 
             stats = self._timed(fetch, slot, version)
         for header, index, ticket in zip(self.headers, self.index, tickets, strict=True):
