@@ -4,6 +4,15 @@ The trainer owns the policy version. Each ``train_step`` first enforces the stal
 group with any token sampled more than ``max_staleness`` versions ago is dropped and counted, never
 trained on — then computes group advantages and the configured loss against the per-token
 behaviour log-probs recorded by the generator, takes one optimizer step and bumps the version.
+
+As one rank of a group (``trainer.ranks``, see ``trainer_core``), every rank is given the whole
+batch and decides alike which groups are stale or carry no signal. Its books (``StepResult``
+counts, lags) are its block of the received groups, so that ``StepResult.merge`` of the ranks
+gives one trainer's books; its work is its block of the trainable groups, so that it stays
+balanced wherever the stale groups fall. Each rank's loss is its tokens' sum over the token count
+of the whole batch and gradients sum over ranks, so the group takes the step one trainer takes
+on the whole batch; a rank with no trainable group backpropagates a masked-out filler group. The
+warm start splits its rows alike.
 """
 
 from __future__ import annotations
@@ -15,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from relayrl import parallel
 from relayrl.algorithms.advantages import ADVANTAGES, zero_signal_samples
 from relayrl.config import Config
 from relayrl.envs import build_task
@@ -26,10 +36,11 @@ from relayrl.types import RolloutBatch, StepResult
 class Trainer(TrainerCore):
     """Policy update of a causal LM; a Ray actor in a run, a plain object in tests."""
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, rank: int = 0, world: int = 1):
         torch.set_num_threads(cfg.ray.threads_per_executor)
         self.tokenizer = load_tokenizer(cfg.model.tokenizer)
-        super().__init__(cfg, build_policy(cfg.model, self.tokenizer, cfg.run.seed).train())
+        model = build_policy(cfg.model, self.tokenizer, cfg.run.seed).train()
+        super().__init__(cfg, model, rank=rank, world=world)
         self.advantage_fn = ADVANTAGES[cfg.trainer.advantage]
         self._warm: tuple | None = None
 
@@ -52,17 +63,30 @@ class Trainer(TrainerCore):
         for _ in range(steps):
             rows = [examples[rng.randrange(len(examples))] for _ in range(ws.batch_size)]
             tokens, loss_mask, attention = _pack(rows, self.tokenizer.pad_token_id)
-            logits = self.model(input_ids=tokens, attention_mask=attention).logits[:, :-1]
+            targets = loss_mask[:, 1:]
+            own, filler = self._own(len(rows))
+            weights = torch.zeros_like(targets[own]) if filler else targets[own]
+            output = self.model(input_ids=tokens[own], attention_mask=attention[own])
             nll = torch.nn.functional.cross_entropy(
-                logits.transpose(1, 2), tokens[:, 1:], reduction="none"
+                output.logits[:, :-1].transpose(1, 2), tokens[own, 1:], reduction="none"
             )
-            loss = (nll * loss_mask[:, 1:]).sum() / loss_mask[:, 1:].sum()
+            loss = (nll * weights).sum() / targets.sum()
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             self.sync.writable()
             optimizer.step()
         elapsed = time.perf_counter() - start
-        return {"warm_start/loss": float(loss.detach()), "warm_start/time_s": elapsed}
+        metrics = parallel.global_metrics({"warm_start/loss": float(loss.detach())}, {})
+        return metrics | {"warm_start/time_s": elapsed}
+
+    def _own(self, count: int) -> tuple[slice, bool]:
+        """This rank's block of ``count`` items, or the first item as a filler (true) when the
+        block is empty: the rank must still run every forward and backward for FSDP's
+        collectives."""
+        own = parallel.share(count, self.rank, self.world)
+        if own.start == own.stop:
+            return slice(0, 1), True
+        return own, False
 
     def _warm_state(self) -> tuple[list, random.Random, torch.optim.Optimizer]:
         task = build_task(self.cfg.task)
@@ -92,22 +116,22 @@ class Trainer(TrainerCore):
         lag = self.version - batch.min_version  # [B], oldest token of each completion
         group_lag = lag.reshape(-1, batch.group_size).max(axis=1)
         keep = np.repeat(group_lag <= self.cfg.max_staleness, batch.group_size)
-        dropped = int((~keep).sum())
+        books = _group_rows(parallel.share(len(group_lag), self.rank, self.world), batch)
+        dropped = int((books & ~keep).sum())
+        trained = int((books & keep).sum())
         self.dropped_stale += dropped
-        batch = batch.select(keep)
-        lag = lag[keep]
-        self.trained += len(batch)
+        self.trained += trained
         result = StepResult(
             stepped=False,
             version=self.version,
-            received=len(keep),
-            trained=len(batch),
+            received=int(books.sum()),
+            trained=trained,
             dropped_stale=dropped,
-            lags=np.bincount(lag, minlength=self.cfg.max_staleness + 1).tolist(),
+            lags=np.bincount(lag[books & keep], minlength=self.cfg.max_staleness + 1).tolist(),
             train_s=0.0,
         )
-        if len(batch) > 0:
-            result.metrics = self._update(batch, lag)
+        if keep.any():
+            result.metrics = self._update(batch.select(keep), lag[keep])
             result.stepped = "loss/value" in result.metrics
         result.version = self.version
         result.train_s = time.perf_counter() - start
@@ -130,10 +154,12 @@ class Trainer(TrainerCore):
         all_tokens = int(batch.completion_len.sum())
         if self.cfg.trainer.skip_zero_signal:
             batch = batch.select(~zero_signal.numpy())
-            rewards = torch.from_numpy(batch.rewards)
         if len(batch) == 0:
             return metrics
-        advantages = self.advantage_fn(rewards, batch.group_size)
+        trainable_tokens = int(batch.completion_len.sum())
+        own, filler = self._own(len(batch) // batch.group_size)
+        batch = batch.select(_group_rows(own, batch))
+        advantages = self.advantage_fn(torch.from_numpy(batch.rewards), batch.group_size)
         tokens = torch.from_numpy(batch.tokens)
         lengths = torch.from_numpy(batch.prompt_len + batch.completion_len)
         attention = (torch.arange(tokens.shape[1])[None, :] < lengths[:, None]).long()
@@ -141,27 +167,41 @@ class Trainer(TrainerCore):
         logp_all = torch.log_softmax(logits.float() / self.cfg.generator.temperature, dim=-1)
         logp = logp_all.gather(-1, tokens[:, 1:, None]).squeeze(-1)
         mask = torch.from_numpy(batch.completion_mask[:, 1:])
+        if filler:  # an all-false mask: a zero loss, still connected to every parameter
+            mask = torch.zeros_like(mask)
         mu = torch.from_numpy(batch.logprobs[:, 1:])
         token_adv = advantages[:, None].expand_as(logp)
-        loss, loss_metrics = self.loss_fn(logp, mu, token_adv, mask, **self.loss_kwargs)
-        # The losses take a token mean over the tokens they see; skipped zero-advantage tokens
-        # belong in its denominator, so skipping them leaves the update exactly as it would be.
-        loss = loss * (int(batch.completion_len.sum()) / all_tokens)
+        loss, loss_stats = self.loss_fn(logp, mu, token_adv, mask, **self.loss_kwargs)
+        # The losses take a token mean over the tokens they see. The batch's token mean is over
+        # every fresh token, of every rank and of skipped zero-advantage groups alike, so
+        # neither sharding nor skipping changes the update.
+        own_tokens = 0 if filler else int(batch.completion_len.sum())
+        loss = loss * (own_tokens / all_tokens)
         grad_norm = self.apply_gradients(loss, self.optimizer)
         self.bump_version()
+        metrics |= self._loss_metrics(
+            {"value": float(loss.detach())}, loss_stats, own_tokens / trainable_tokens, grad_norm
+        )
         return metrics | {
-            "loss/value": float(loss.detach()),
-            "loss/grad_norm": grad_norm,
             "loss/lr": self.scheduler.get_last_lr()[0],
-            **{f"loss/{k}": v for k, v in loss_metrics.items()},
             "version": float(self.version),
         }
 
     def save_pretrained(self, path: str) -> str:
-        """Save a Hugging Face checkpoint (safetensors) with its tokenizer."""
-        self.model.save_pretrained(path, safe_serialization=True)
-        self.tokenizer.save_pretrained(path)
+        """Save a Hugging Face checkpoint (safetensors) with its tokenizer. In a group every rank
+        calls this (the weights are gathered) and rank 0 writes."""
+        state = self._full_model_state()
+        if self.rank == 0:
+            self.model.save_pretrained(path, state_dict=state, safe_serialization=True)
+            self.tokenizer.save_pretrained(path)
         return str(Path(path))
+
+
+def _group_rows(groups: slice, batch: RolloutBatch) -> np.ndarray:
+    """[B] bool, true on the rows of a block of whole groups of ``batch``."""
+    rows = np.zeros(len(batch), dtype=bool)
+    rows[groups.start * batch.group_size : groups.stop * batch.group_size] = True
+    return rows
 
 
 def _pack(rows: list[tuple[list[int], list[int]]], pad_id: int):

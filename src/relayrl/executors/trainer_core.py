@@ -9,6 +9,14 @@ by name with its keyword arguments, the policy version, the sample counters, wei
 Both trainers inherit it rather than hold it: a Ray actor serves only the methods of its own
 class, so composing the core would mean a copy of every delegating method in each trainer, which
 is the duplication this class removes.
+
+A trainer may be one rank of a data-parallel group (``trainer.ranks``; see ``relayrl.parallel``).
+The controller creates ``world`` trainers with ``rank=0..world-1``, asks rank 0 for
+``group_address()`` and calls ``join_group(host, port)`` on every rank at once: the model is then
+sharded with FSDP2 and the optimizer and schedule are rebuilt over the shards, so optimizer state
+is sharded too. From then on ``train_step``, ``warm_start``, ``save_pretrained`` and ``publish``
+are called on every rank with the same arguments (each publishes its own rows), and each rank
+keeps the books of its own share of the samples.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ import math
 import ray
 import torch
 
+from relayrl import parallel
 from relayrl.algorithms.losses import LOSS_OPTIONS, LOSSES
 from relayrl.config import Config
 from relayrl.observability.tracing import Span, Tracer
@@ -31,14 +40,24 @@ class TrainerCore:
 
     name = "trainer"
 
-    def __init__(self, cfg: Config, model: torch.nn.Module, *, adam_eps: float = 1e-8):
+    def __init__(
+        self,
+        cfg: Config,
+        model: torch.nn.Module,
+        *,
+        adam_eps: float = 1e-8,
+        rank: int = 0,
+        world: int = 1,
+    ):
+        if not 0 <= rank < world:
+            raise ValueError(f"rank must be in [0, world={world}), got rank={rank}")
         self.cfg = cfg
         self.model = model
+        self.rank = rank
+        self.world = world
+        self.adam_eps = adam_eps
         tc = cfg.trainer
-        self.optimizer = torch.optim.AdamW(
-            model.parameters(), lr=tc.lr, eps=adam_eps, weight_decay=tc.weight_decay
-        )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+        self.optimizer, self.scheduler = self._optimizer()
         self.loss_fn = LOSSES[tc.loss]
         self.loss_kwargs = {kw: getattr(tc, field) for kw, field in LOSS_OPTIONS[tc.loss].items()}
         self.version = 0
@@ -50,7 +69,45 @@ class TrainerCore:
             bucket_bytes=cfg.sync.bucket_mb << 20,
             streams=cfg.sync.streams,
             in_place=cfg.sync.in_place,
+            rank=rank,
+            world=world,
         )
+
+    def _optimizer(self) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+        """AdamW over the model's parameters (this rank's shards once in a group), its schedule."""
+        tc = self.cfg.trainer
+        optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=tc.lr, eps=self.adam_eps, weight_decay=tc.weight_decay
+        )
+        return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, self._lr_factor)
+
+    def group_address(self) -> tuple[str, int]:
+        """Where rank 0 hosts the group's rendezvous: its IP address and a free port (ask rank
+        0, then pass both to every rank's ``join_group``)."""
+        return parallel.group_address()
+
+    def join_group(self, host: str, port: int) -> None:
+        """Join the trainer group, shard the model and rebuild the optimizer and schedule over
+        the shards; every rank calls this at once, before the first step and ``open_sync``."""
+        if self.world == 1:
+            raise RuntimeError("a trainer of world=1 has no group to join")
+        if self.optimizer.state or self.sync.publisher is not None:
+            raise RuntimeError("join_group() must come before the first step and open_sync()")
+        cuda = next(self.model.parameters()).is_cuda
+        parallel.join(host, port, self.rank, self.world, cuda=cuda)
+        parallel.shard(self.model)
+        self.optimizer, self.scheduler = self._optimizer()
+
+    def _loss_metrics(
+        self, terms: dict[str, float], stats: dict[str, float], weight: float, grad_norm: float
+    ) -> dict[str, float]:
+        """``loss/*`` metrics of the group's whole batch (a collective with ranks) from this
+        rank's loss ``terms`` (already its weighted shares), the loss function's ``stats`` over
+        its samples, ``weight`` (its fraction of the samples, 0 for a filler) and the global
+        gradient norm. The stats are token-means but for ``ratio_max``, a maximum."""
+        shares = terms | {k: weight * v for k, v in stats.items() if k != "ratio_max"}
+        maxima = {"grad_norm": grad_norm, "ratio_max": stats["ratio_max"] if weight > 0 else 0.0}
+        return {f"loss/{k}": v for k, v in parallel.global_metrics(shares, maxima).items()}
 
     def apply_gradients(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer) -> float:
         """Backward ``loss``, clip the global gradient norm and step ``optimizer``; returns the
@@ -105,8 +162,17 @@ class TrainerCore:
         """Busy spans and waits recorded so far."""
         return self.tracer.spans, self.tracer.waits
 
+    def _full_model_state(self) -> dict[str, torch.Tensor]:
+        """The model's full state dict; in a group, gathered onto rank 0's CPU (a collective)
+        and empty on the other ranks."""
+        if self.world == 1:
+            return self.model.state_dict()
+        return parallel.full_state_dict(self.model)
+
     def state_dict(self) -> dict:
-        """A snapshot (not a view) of model, optimizer, schedule, version and counters."""
+        """A snapshot (not a view) of model, optimizer, schedule, version and counters. In a
+        group it is this rank's: the model and optimizer state hold its shards (DTensors) and the
+        counters its books, so it restores the same rank of a group of the same size."""
         return copy.deepcopy(
             {
                 "model": self.model.state_dict(),

@@ -17,6 +17,16 @@ lockstep loop in sync mode) and
 
 In async mode the trainer pulls super-batches itself: ``attach_buffer`` starts a ``Prefetcher``
 that fetches the next super-batch from the replay-buffer actor while the current one trains.
+
+As one rank of a group (``trainer.ranks``, see ``trainer_core``), every rank is given the whole
+super-batch and drops the same stale segments. Its books (``StepResult`` counts, lags) are its
+block of the received segments, so that ``StepResult.merge`` of the ranks gives one trainer's
+books. Its work is its block of the micro-batches of fresh segments: it computes their values
+and GAE, the advantages are normalised over every rank's steps (one all-reduce), and every rank
+draws the same permutation of the super-batch's env steps and trains on the ones it holds, its
+loss terms scaled by its fraction of each minibatch, so that gradients summed over ranks are the
+gradient of the whole minibatch. A rank holding no step of a minibatch backpropagates a filler
+step with zero weight.
 """
 
 from __future__ import annotations
@@ -33,6 +43,7 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor
 
+from relayrl import parallel
 from relayrl.algorithms.advantages import gae
 from relayrl.algorithms.normalization import global_normalize
 from relayrl.config import Config
@@ -99,6 +110,16 @@ def critic_values(policy: VLAPolicy, batch: PaddedSegments) -> Tensor:
     return out
 
 
+def _concat(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """The per-step samples of consecutive micro-batches as one set (see ``advantages``)."""
+    return {
+        key: sum((p[key] for p in parts), [])
+        if key == "instructions"
+        else torch.cat([p[key] for p in parts])
+        for key in parts[0]
+    }
+
+
 def micro_batches(segments: list[Segment], max_steps: int) -> list[list[Segment]]:
     """Consecutive groups of segments of at most ``max_steps`` env steps (one segment at least)."""
     groups: list[list[Segment]] = [[]]
@@ -117,13 +138,13 @@ class VLATrainer(TrainerCore):
 
     name = "trainer"
 
-    def __init__(self, cfg: Config, vla: VLAConfig):
+    def __init__(self, cfg: Config, vla: VLAConfig, rank: int = 0, world: int = 1):
         torch.set_num_threads(cfg.ray.threads_per_executor)
         torch.manual_seed(cfg.run.seed)
         self.tc = cfg.trainer
         self.vla = vla
         self.policy = VLAPolicy(vla).train()
-        super().__init__(cfg, self.policy, adam_eps=1e-5)
+        super().__init__(cfg, self.policy, adam_eps=1e-5, rank=rank, world=world)
         self.generator = torch.Generator().manual_seed(cfg.run.seed + 5)
         self._prefetch: Prefetcher | None = None
 
@@ -131,39 +152,47 @@ class VLATrainer(TrainerCore):
         """Per-step training samples of ``segments``, in segment-then-step order: images, steps,
         instructions, actions, logprobs, values (current critic), raw GAE ``advantages`` and
         ``returns``; values and GAE are computed one micro-batch at a time."""
-        parts = []
-        for group in micro_batches(segments, self.tc.minibatch_steps):
-            batch = pad_segments(group)
-            values = critic_values(self.policy, batch)
-            adv, ret = gae(
-                batch.rewards,
-                values,
-                batch.terminated,
-                batch.mask,
-                gamma=self.tc.gamma,
-                lam=self.tc.lam,
-            )
-            mask = batch.mask
-            rows = mask.nonzero()[:, 0].tolist()
-            parts.append(
-                {
-                    "images": batch.images[:, :-1][mask],
-                    "steps": batch.steps[:, :-1][mask],
-                    "instructions": [batch.instructions[i] for i in rows],
-                    "actions": batch.actions[mask],
-                    "logprobs": batch.logprobs[mask],
-                    "versions": batch.versions[mask],
-                    "values": values[:, :-1][mask],
-                    "advantages": adv[mask],
-                    "returns": ret[mask],
-                }
-            )
+        return _concat([self._samples(g) for g in micro_batches(segments, self.tc.minibatch_steps)])
+
+    def _samples(self, group: list[Segment]) -> dict[str, Any]:
+        """The per-step training samples of one micro-batch (see ``advantages``)."""
+        batch = pad_segments(group)
+        values = critic_values(self.policy, batch)
+        adv, ret = gae(
+            batch.rewards,
+            values,
+            batch.terminated,
+            batch.mask,
+            gamma=self.tc.gamma,
+            lam=self.tc.lam,
+        )
+        mask = batch.mask
+        rows = mask.nonzero()[:, 0].tolist()
         return {
-            key: sum((p[key] for p in parts), [])
-            if key == "instructions"
-            else torch.cat([p[key] for p in parts])
-            for key in parts[0]
+            "images": batch.images[:, :-1][mask],
+            "steps": batch.steps[:, :-1][mask],
+            "instructions": [batch.instructions[i] for i in rows],
+            "actions": batch.actions[mask],
+            "logprobs": batch.logprobs[mask],
+            "versions": batch.versions[mask],
+            "values": values[:, :-1][mask],
+            "advantages": adv[mask],
+            "returns": ret[mask],
         }
+
+    def _own_samples(self, fresh: list[Segment]) -> tuple[dict[str, Any], int, int]:
+        """The samples of this rank's block of the micro-batches of ``fresh``, the index of its
+        first step among all of ``fresh``'s and its step count. A rank with a block shorter than
+        the longest adds the samples of a filler micro-batch after its own: FSDP gathers the
+        parameters in every forward, so every rank runs as many."""
+        groups = micro_batches(fresh, self.tc.minibatch_steps)
+        block = parallel.share(len(groups), self.rank, self.world)
+        parts = [self._samples(group) for group in groups[block]]
+        first = sum(len(s) for group in groups[: block.start] for s in group)
+        own = sum(len(part["advantages"]) for part in parts)
+        if len(parts) < -(-len(groups) // self.world):
+            parts.append(self._samples(fresh[:1]))
+        return _concat(parts), first, own
 
     def train_step(self, segments: list[Segment]) -> StepResult:
         """Drop stale segments, update on the rest, bump the version."""
@@ -172,37 +201,44 @@ class VLATrainer(TrainerCore):
 
     def _train_step(self, segments: list[Segment]) -> StepResult:
         start = time.perf_counter()
-        received = sum(len(s) for s in segments)
         oldest_allowed = self.version - self.cfg.max_staleness
         fresh = [s for s in segments if int(s.versions.min()) >= oldest_allowed]
-        dropped = received - sum(len(s) for s in fresh)
-        self.dropped_stale += dropped
-        self.trained += received - dropped
+        books = segments[parallel.share(len(segments), self.rank, self.world)]
+        kept = [s for s in books if int(s.versions.min()) >= oldest_allowed]
+        received = sum(len(s) for s in books)
+        trained = sum(len(s) for s in kept)
+        self.dropped_stale += received - trained
+        self.trained += trained
+        kept_versions = np.concatenate([s.versions for s in kept]) if kept else np.zeros(0, int)
         result = StepResult(
             stepped=bool(fresh),
             version=self.version,
             received=received,
-            trained=received - dropped,
-            dropped_stale=dropped,
-            lags=[0] * (self.cfg.max_staleness + 1),
+            trained=trained,
+            dropped_stale=received - trained,
+            lags=np.bincount(
+                self.version - kept_versions, minlength=self.cfg.max_staleness + 1
+            ).tolist(),
             train_s=0.0,
         )
         if fresh:
-            data = self.advantages(fresh)
-            lag = (self.version - data["versions"]).numpy()
-            result.lags = np.bincount(lag, minlength=self.cfg.max_staleness + 1).tolist()
+            lag = self.version - np.concatenate([s.versions for s in fresh])
             ended = [s for s in fresh if s.episode_done]
+            data, first, own = self._own_samples(fresh)
             metrics: dict[str, float] = {
                 "rollout/reward_mean": float(np.mean(np.concatenate([s.rewards for s in fresh]))),
                 "rollout/episodes_ended": float(len(ended)),
-                "rollout/value_mean": float(data["values"].mean()),
                 "staleness/mean": float(lag.mean()),
                 "staleness/max": float(lag.max()),
             }
+            metrics |= parallel.global_metrics(
+                {"rollout/value_mean": float(data["values"][:own].sum() / len(lag))}, {}
+            )
             if ended:  # the progress bar and learning curve read rollout/accuracy
                 metrics["rollout/accuracy"] = float(np.mean([s.success for s in ended]))
-            advantages = global_normalize(data["advantages"], torch.ones_like(data["advantages"]))
-            metrics |= self._update(data, advantages)
+            held = torch.arange(len(data["advantages"])) < own
+            advantages = global_normalize(data["advantages"], held)
+            metrics |= self._update(data, advantages, first, own, len(lag))
             self.bump_version()
             result.metrics = metrics | {
                 "loss/lr": self.scheduler.get_last_lr()[0],
@@ -212,15 +248,21 @@ class VLATrainer(TrainerCore):
         result.train_s = time.perf_counter() - start
         return result
 
-    def _update(self, data: dict[str, Any], advantages: Tensor) -> dict[str, float]:
-        """``epochs`` passes of shuffled minibatches; returns the mean of each loss metric."""
-        count = advantages.shape[0]
+    def _update(
+        self, data: dict[str, Any], advantages: Tensor, first: int, own: int, count: int
+    ) -> dict[str, float]:
+        """``epochs`` passes of shuffled minibatches of the ``count`` steps of every rank, each
+        rank on its ``own`` steps from index ``first``; returns the mean of each loss metric."""
         totals: dict[str, float] = {}
         updates = 0
         for _ in range(self.tc.epochs):
             order = torch.randperm(count, generator=self.generator)
-            for first in range(0, count, self.tc.minibatch_steps):
-                idx = order[first : first + self.tc.minibatch_steps]
+            for begin in range(0, count, self.tc.minibatch_steps):
+                minibatch = order[begin : begin + self.tc.minibatch_steps]
+                idx = minibatch[(minibatch >= first) & (minibatch < first + own)] - first
+                weight = len(idx) / len(minibatch)  # its part of means over the whole minibatch
+                if len(idx) == 0:
+                    idx = minibatch.new_zeros(1)  # a filler step: see the module docstring
                 ids = self.policy.tokenize([data["instructions"][i] for i in idx.tolist()])
                 logp, entropy, values = self.policy.evaluate_actions(
                     data["images"][idx], ids, data["steps"][idx], data["actions"][idx]
@@ -233,15 +275,15 @@ class VLATrainer(TrainerCore):
                 value_loss = (values - data["returns"][idx]).square().mean()
                 entropy = entropy.mean()
                 loss = policy_loss + self.tc.value_coef * value_loss
-                loss = loss - self.tc.entropy_coef * entropy
+                loss = (loss - self.tc.entropy_coef * entropy) * weight
                 grad_norm = self.apply_gradients(loss, self.optimizer)
-                step = {
-                    "loss/policy": float(policy_loss.detach()),
-                    "loss/value": float(value_loss.detach()),
-                    "loss/entropy": float(entropy.detach()),
-                    "loss/grad_norm": grad_norm,
-                    **{f"loss/{k}": v for k, v in stats.items()},
-                }
+                terms = {"policy": policy_loss, "value": value_loss, "entropy": entropy}
+                step = self._loss_metrics(
+                    {k: weight * float(v.detach()) for k, v in terms.items()},
+                    stats,
+                    weight,
+                    grad_norm,
+                )
                 for key, value in step.items():
                     totals[key] = totals.get(key, 0.0) + value
                 updates += 1
@@ -250,6 +292,11 @@ class VLATrainer(TrainerCore):
     def attach_buffer(self, buffer: Any, batch_steps: int) -> None:
         """Start prefetching super-batches of ``batch_steps`` env steps from a replay-buffer actor;
         the buffer filters staleness against the trainer's version when the fetch starts."""
+        if self.world > 1:
+            raise RuntimeError(
+                "attach_buffer() fetches for one trainer, but every rank of a group must train on "
+                "the same super-batch: fetch it once and pass it to every rank's train_step()"
+            )
         self._prefetch = Prefetcher(
             lambda: ray.get(buffer.get.remote(batch_steps, self.version)), name="replay-prefetch"
         )
@@ -278,12 +325,16 @@ class VLATrainer(TrainerCore):
 
     def save_pretrained(self, path: str) -> str:
         """Save ``model.safetensors`` and ``vla_config.json`` (``VLAPolicy(VLAConfig(**json))``
-        rebuilds the model) into the directory ``path``."""
+        rebuilds the model) into the directory ``path``. In a group every rank calls this (the
+        weights are gathered) and rank 0 writes."""
         out = Path(path)
-        out.mkdir(parents=True, exist_ok=True)
-        state = {k: v.detach().contiguous() for k, v in self.policy.state_dict().items()}
-        save_file(state, str(out / "model.safetensors"), metadata={"version": str(self.version)})
-        (out / "vla_config.json").write_text(json.dumps(asdict(self.vla), indent=2) + "\n")
+        state = self._full_model_state()
+        if self.rank == 0:
+            out.mkdir(parents=True, exist_ok=True)
+            state = {k: v.detach().contiguous() for k, v in state.items()}
+            metadata = {"version": str(self.version)}
+            save_file(state, str(out / "model.safetensors"), metadata=metadata)
+            (out / "vla_config.json").write_text(json.dumps(asdict(self.vla), indent=2) + "\n")
         return str(out)
 
     def state_dict(self) -> dict:

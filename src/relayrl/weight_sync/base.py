@@ -10,7 +10,8 @@ from typing import Any
 
 import torch
 
-from relayrl.weight_sync.buckets import ReceiverState
+from relayrl.weight_sync.buckets import ReceiverState, Rows
+from relayrl.weight_sync.sharding import shard_pieces
 
 
 class ReceiverLost(RuntimeError):
@@ -122,13 +123,28 @@ class TrainerSide:
     With ``in_place`` (dist only) the model's tensors are bound into the publisher's send buffer
     when it opens; the trainer then calls ``writable`` before it writes them, and the time that
     waits for sends in flight is added to the stall of the publish it waited for.
+
+    Rank ``rank`` of an FSDP2 trainer group of ``world > 1`` publishes as shard ``rank``: its
+    rows of every sharded tensor, and on rank 0 the tensors every rank holds whole
+    (``shard_pieces``).
     """
 
-    def __init__(self, *, timeout_s: float, bucket_bytes: int, streams: int, in_place: bool):
+    def __init__(
+        self,
+        *,
+        timeout_s: float,
+        bucket_bytes: int,
+        streams: int,
+        in_place: bool,
+        rank: int = 0,
+        world: int = 1,
+    ):
         self.timeout_s = timeout_s
         self.bucket_bytes = bucket_bytes
         self.streams = streams
         self.in_place = in_place
+        self.rank = rank
+        self.world = world
         self.publisher: Any = None
         self.stalls: list[float] = []
 
@@ -144,9 +160,12 @@ class TrainerSide:
             )
         options = {"host": host, "streams": self.streams} if dist else {}
         state = model.state_dict()
+        tensors, rows = self._share(state)
         self.publisher = transport.Publisher(
-            state,
+            tensors,
             receivers,
+            shard=self.rank,
+            rows=rows,
             timeout_s=self.timeout_s,
             bucket_bytes=self.bucket_bytes,
             **options,
@@ -157,12 +176,18 @@ class TrainerSide:
         return self.publisher.address
 
     def publish(self, version: int, tensors: dict[str, torch.Tensor]) -> Ticket:
-        """Publish ``tensors`` as ``version`` and record the stall."""
+        """Publish ``tensors`` (the model's state dict) as ``version`` and record the stall."""
         if self.publisher is None:
             raise RuntimeError("call open_sync() before publish()")
-        ticket = self.publisher.publish(version, tensors)
+        ticket = self.publisher.publish(version, self._share(tensors)[0])
         self.stalls.append(ticket.stall_s)
         return ticket
+
+    def _share(self, state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], Rows | None]:
+        """What this rank sends, and the rows it holds of each piece (None for whole tensors)."""
+        if self.world == 1:
+            return state, None
+        return shard_pieces(state, include_replicated=self.rank == 0)
 
     def writable(self) -> float:
         """Wait until the model's tensors may be written (a no-op unless in place); returns the

@@ -1,0 +1,103 @@
+"""Data parallelism of a trainer group: the rendezvous, FSDP2 sharding and each rank's share.
+
+A trainer group is ``world`` processes (Ray actors in a run), each holding ``1/world`` of the rows
+of every parameter (FSDP2 ``fully_shard``) and its optimizer state, each training on its share of
+every batch. Every rank receives the whole batch, so what depends on the batch alone (which
+samples are stale, token and step counts, the minibatch order) is computed alike on every rank
+without communication; only parameters, gradients, gradient norms, advantage statistics and the
+logged metrics cross ranks.
+
+Gradients are summed over ranks, not averaged as FSDP2 does by default: each rank's loss is its
+share of the global loss (its local sum over the global count), so the ranks' gradients add up to
+the gradient one process takes on the whole batch.
+
+A collective must be entered by every rank in the same order. A rank with nothing to train on
+therefore still runs every forward and backward the others run, on a filler sample whose loss
+carries zero weight.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import ray
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import FSDPModule, fully_shard
+
+
+def group_address() -> tuple[str, int]:
+    """This node's IP address and a free TCP port, for rank 0 to host the group's rendezvous."""
+    with socket.socket() as probe:
+        probe.bind(("", 0))
+        port = probe.getsockname()[1]
+    return ray.util.get_node_ip_address(), port
+
+
+def join(host: str, port: int, rank: int, world: int, *, cuda: bool) -> None:
+    """Join the default process group, whose store rank 0 hosts at ``host:port``: nccl for a
+    model on CUDA, gloo on CPU. Every rank calls this at once."""
+    dist.init_process_group(
+        "nccl" if cuda else "gloo",
+        init_method=f"tcp://{host}:{port}",
+        rank=rank,
+        world_size=world,
+    )
+
+
+def shard(model: nn.Module) -> None:
+    """Shard ``model`` in place with FSDP2: every module of every ``ModuleList`` (its layers, each
+    gathered only for its own forward and backward), then the root; gradients sum over ranks."""
+    # Innermost first: FSDP2 leaves out of a module's shards the parameters already sharded below.
+    for module in reversed(list(model.modules())):
+        if isinstance(module, nn.ModuleList):
+            for layer in module:
+                fully_shard(layer)
+    fully_shard(model)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            # The default averages; a divide factor of 1 with sum-only collectives sums (gloo has
+            # no PREMUL_SUM, which a factor alone would use).
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+
+
+def share(count: int, rank: int, world: int) -> slice:
+    """``rank``'s contiguous block of ``count`` items: blocks in rank order, sizes differing by
+    at most one (the first ``count % world`` ranks take one more); possibly empty."""
+    base, extra = divmod(count, world)
+    start = rank * base + min(rank, extra)
+    return slice(start, start + base + (rank < extra))
+
+
+def full_state_dict(model: nn.Module) -> dict[str, Tensor]:
+    """The full (unsharded) state dict on the CPU of rank 0, empty on the other ranks; a
+    collective."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state = get_model_state_dict(model, options=options)
+    # The gather copies a tied parameter once per name; alias the copies again, as in the
+    # model's own state_dict, so that savers which drop tied names by storage (Hugging Face's)
+    # write the same files as one trainer does.
+    first: dict[int, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        alias = first.setdefault(id(param), name)
+        if alias != name and name in state:
+            state[name] = state[alias]
+    return state
+
+
+def global_metrics(shares: dict[str, float], maxima: dict[str, float]) -> dict[str, float]:
+    """Each of ``shares`` summed and each of ``maxima`` maxed over the ranks; a collective when a
+    process group exists, the values as given otherwise. A mean over the group's samples is the
+    sum of each rank's local mean weighted by its fraction of the samples."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return shares | maxima
+    reduced = {}
+    for values, op in ((shares, dist.ReduceOp.SUM), (maxima, dist.ReduceOp.MAX)):
+        if values:
+            tensor = torch.tensor(list(values.values()), dtype=torch.float64)
+            dist.all_reduce(tensor, op=op)
+            reduced |= dict(zip(values, tensor.tolist(), strict=True))
+    return reduced

@@ -1,0 +1,226 @@
+"""Trainer groups: two FSDP2 ranks (Ray actors, gloo) take the step one trainer takes.
+
+Every rank is given the whole batch, as the controller does with one object reference; the
+one-rank reference trains in this process on the same batches. Parameters are compared through
+``save_pretrained``, which gathers the full state dict onto rank 0, so each test also checks the
+checkpoint. A hang in a collective fails the test at TIMEOUT_S instead of blocking the run.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import ray
+import torch
+from conftest import tiny_config
+from safetensors.torch import load_file
+from test_vla_trainer import TINY_VLA, segment
+
+from relayrl.config import Config, load_config
+from relayrl.executors.trainer import Trainer
+from relayrl.executors.vla_trainer import VLATrainer
+from relayrl.models.lm import build_policy
+from relayrl.parallel import share
+from relayrl.types import RolloutBatch, StepResult
+from relayrl.weight_sync import TRANSPORTS
+
+TIMEOUT_S = 60
+ATOL = 1e-5
+
+
+@contextmanager
+def trainer_group(cls: type, *args: Any, world: int = 2) -> Iterator[list[Any]]:
+    """``world`` trainer actors that have joined one group, killed on exit."""
+    actor = ray.remote(num_cpus=0, max_restarts=0)(cls)
+    ranks = [actor.remote(*args, rank=rank, world=world) for rank in range(world)]
+    try:
+        host, port = ray.get(ranks[0].group_address.remote(), timeout=TIMEOUT_S)
+        on_all(ranks, "join_group", host, port)
+        yield ranks
+    finally:
+        for rank in ranks:
+            ray.kill(rank)
+
+
+def on_all(ranks: list[Any], method: str, *args: Any) -> list[Any]:
+    """Call ``method`` on every rank at once with the same arguments, as the controller does."""
+    return ray.get([getattr(r, method).remote(*args) for r in ranks], timeout=TIMEOUT_S)
+
+
+def rollouts(versions: list[int], *, seed: int, zero_signal: int | None = None) -> RolloutBatch:
+    """Groups of 3 completions of 1 to 4 tokens after a 3-token prompt, sampled at ``versions``
+    (one per group), with distinct random rewards; group ``zero_signal`` rewards all alike."""
+    rng = np.random.default_rng(seed)
+    rows, width = 3 * len(versions), 7
+    tokens = rng.integers(3, 20, (rows, width))
+    completion_len = rng.integers(1, 5, rows)
+    completion = (np.arange(width) >= 3) & (np.arange(width) < 3 + completion_len[:, None])
+    versions_per_row = np.repeat(versions, 3)[:, None]
+    rewards = rng.random(rows).astype(np.float32)
+    if zero_signal is not None:
+        rewards[3 * zero_signal : 3 * zero_signal + 3] = 1.0
+    return RolloutBatch(
+        tokens=np.where(completion | (np.arange(width) < 3), tokens, 0),
+        prompt_len=np.full(rows, 3),
+        completion_len=completion_len,
+        logprobs=np.where(completion, rng.uniform(-3.0, -0.5, (rows, width)), 0.0).astype(
+            np.float32
+        ),
+        versions=np.where(completion, versions_per_row, -1),
+        finished=rng.random(rows) < 0.8,
+        group_size=3,
+        answers=["x"] * rows,
+        rewards=rewards,
+    )
+
+
+def assert_merged_books(results: list[StepResult], one: StepResult) -> None:
+    """The ranks' results merge into the one-rank result: counts exactly, metrics closely."""
+    merged = StepResult.merge(results)
+    books = ("stepped", "version", "received", "trained", "dropped_stale", "lags")
+    assert [getattr(merged, k) for k in books] == [getattr(one, k) for k in books]
+    assert merged.metrics.keys() == one.metrics.keys()
+    for key, value in one.metrics.items():
+        assert merged.metrics[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+
+
+def assert_same_weights(two: Path, one: Path, filename: str) -> None:
+    """The two checkpoints hold the same tensors to ATOL."""
+    got, expected = load_file(str(two / filename)), load_file(str(one / filename))
+    assert got.keys() == expected.keys()
+    for key, value in expected.items():
+        torch.testing.assert_close(got[key], value, atol=ATOL, rtol=0, msg=key)
+
+
+def vla_config(*overrides: str) -> Config:
+    """An embodied config for ``TINY_VLA``."""
+    return load_config(
+        None, ["workload=embodied", "env.image_size=8", "vla.patch_size=4", *overrides]
+    )
+
+
+def test_blocks_are_contiguous_in_rank_order_and_differ_by_at_most_one():
+    assert [share(5, rank, 2) for rank in range(2)] == [slice(0, 3), slice(3, 5)]
+    assert [share(1, rank, 3) for rank in range(3)] == [slice(0, 1), slice(1, 1), slice(1, 1)]
+    assert [share(7, rank, 3) for rank in range(3)] == [slice(0, 3), slice(3, 5), slice(5, 7)]
+
+
+def test_rank_arguments_are_checked_and_a_rank_fetches_no_super_batch_alone():
+    with pytest.raises(ValueError, match="rank must be in"):
+        Trainer(tiny_config(), rank=2, world=2)
+    with pytest.raises(RuntimeError, match="no group to join"):
+        Trainer(tiny_config()).join_group("127.0.0.1", 1)
+    with pytest.raises(RuntimeError, match="same super-batch"):
+        VLATrainer(vla_config(), TINY_VLA, rank=0, world=2).attach_buffer(None, 8)
+
+
+def test_two_llm_ranks_warm_start_and_step_as_one_trainer(ray_session, tmp_path):
+    cfg = tiny_config(
+        "trainer.loss=aipo",
+        "trainer.grad_clip=0.05",
+        "trainer.lr=0.01",
+        "warm_start.batch_size=3",
+        "warm_start.examples=16",
+    )
+    one = Trainer(cfg)
+    batches = [rollouts([step] * 5, seed=step, zero_signal=1) for step in range(3)]
+    with trainer_group(Trainer, cfg) as ranks:
+        warm = on_all(ranks, "warm_start", 2)
+        expected = one.warm_start(2)
+        assert warm[0]["warm_start/loss"] == pytest.approx(expected["warm_start/loss"], rel=1e-5)
+        for batch in batches:
+            ref = ray.put(batch)  # every rank is given the whole batch
+            results = on_all(ranks, "train_step", ref)
+            reference = one.train_step(batch)
+            assert reference.stepped and reference.metrics["loss/grad_norm"] > 0.05  # clipped
+            assert_merged_books(results, reference)
+            assert [r.received for r in results] == [9, 6]  # 5 groups of 3: blocks of 3 and 2
+        on_all(ranks, "save_pretrained", str(tmp_path / "two"))
+        # Each rank publishes its own rows; the receiver assembles one trainer's weights.
+        served = build_policy(cfg.model, one.tokenizer, seed=99)
+        receiver = TRANSPORTS["shm"].Receiver(
+            served, on_all(ranks, "open_sync", "shm", ["generator"]), "generator", timeout_s=20
+        )
+        receiver.receive(on_all(ranks, "publish"))
+        on_all(ranks, "close_sync")
+    with receiver.serving() as version:
+        assert version == one.version == 3
+        for key, value in one.model.state_dict().items():
+            torch.testing.assert_close(served.state_dict()[key], value, atol=ATOL, rtol=0)
+    one.save_pretrained(str(tmp_path / "one"))
+    files = sorted(p.name for p in (tmp_path / "one").iterdir())
+    assert sorted(p.name for p in (tmp_path / "two").iterdir()) == files
+    for name in files:
+        if name != "model.safetensors":
+            assert (tmp_path / "two" / name).read_bytes() == (tmp_path / "one" / name).read_bytes()
+    assert_same_weights(tmp_path / "two", tmp_path / "one", "model.safetensors")
+
+
+def test_a_rank_with_only_stale_groups_joins_every_collective(ray_session, tmp_path):
+    cfg = tiny_config("trainer.loss=aipo", "max_staleness=1", "trainer.lr=0.01")
+    one = Trainer(cfg)
+    fresh = rollouts([0, 0, 0], seed=3)
+    # At version 2, groups 1 and 2 lag 2 > 1: rank 1's block (group 2) is all stale, and the one
+    # trainable group goes to rank 0, so rank 1 backpropagates a filler.
+    stale_share = rollouts([2, 0, 0], seed=4)
+    all_stale = rollouts([0, 1], seed=5)
+
+    def round_trip(trainer: Trainer, batch: RolloutBatch) -> None:
+        """A step undone by restoring this rank's state_dict: the step must leave no trace."""
+        state = trainer.state_dict()
+        trainer.train_step(batch)
+        trainer.load_state_dict(state)
+
+    with trainer_group(Trainer, cfg) as ranks:
+        for batch in [fresh, fresh]:
+            on_all(ranks, "train_step", ray.put(batch))
+            one.train_step(batch)
+        undone = [r.__ray_call__.remote(round_trip, stale_share) for r in ranks]
+        ray.get(undone, timeout=TIMEOUT_S)
+        results = on_all(ranks, "train_step", ray.put(stale_share))
+        reference = one.train_step(stale_share)
+        assert reference.stepped and reference.trained == 3 and reference.dropped_stale == 6
+        assert [(r.received, r.trained) for r in results] == [(6, 3), (3, 0)]
+        assert_merged_books(results, reference)
+        results = on_all(ranks, "train_step", ray.put(all_stale))
+        assert not any(r.stepped for r in results) and {r.version for r in results} == {3}
+        assert_merged_books(results, one.train_step(all_stale))
+        on_all(ranks, "save_pretrained", str(tmp_path / "two"))
+    one.save_pretrained(str(tmp_path / "one"))
+    assert_same_weights(tmp_path / "two", tmp_path / "one", "model.safetensors")
+
+
+def test_two_vla_ranks_step_as_one_trainer(ray_session, tmp_path):
+    cfg = vla_config(
+        "trainer.loss=gipo",
+        "trainer.minibatch_steps=3",
+        "trainer.epochs=2",
+        "trainer.lr=0.01",
+        "max_staleness=0",
+    )
+    one = VLATrainer(cfg, TINY_VLA)
+    lengths = [3, 1, 4, 2, 5]
+    batches = [
+        # 15 steps in 5 micro-batches (3 and 2 per rank), 5 minibatches per epoch
+        [segment(n, seed=i, terminated=i % 2 == 1) for i, n in enumerate(lengths)],
+        # at version 1 the last two segments are stale: rank 1's block of received segments
+        [segment(n, seed=i + 5, version=0 if i >= 3 else 1) for i, n in enumerate(lengths)],
+        # one fresh segment, one micro-batch: rank 1 runs a filler critic pass and filler steps
+        [segment(2, seed=11, version=2), segment(3, seed=12, version=0)],
+    ]
+    with trainer_group(VLATrainer, cfg, TINY_VLA) as ranks:
+        for batch in batches:
+            results = on_all(ranks, "train_step", ray.put(batch))
+            assert_merged_books(results, one.train_step(batch))
+        assert [(r.received, r.trained) for r in results] == [(2, 2), (3, 0)]
+        on_all(ranks, "save_pretrained", str(tmp_path / "two"))
+    one.save_pretrained(str(tmp_path / "one"))
+    config = json.loads((tmp_path / "two" / "vla_config.json").read_text())
+    assert config == json.loads((tmp_path / "one" / "vla_config.json").read_text())
+    assert_same_weights(tmp_path / "two", tmp_path / "one", "model.safetensors")
