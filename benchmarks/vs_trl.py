@@ -222,7 +222,7 @@ def warm_start(cfg: Config, out: Path) -> dict:
     """
     start = time.perf_counter()
     trainer, generator, rewarder = Trainer(cfg), Generator(cfg), Rewarder(cfg)
-    generator.open_sync(trainer.open_sync("shm", ["generator"]))
+    generator.open_sync([trainer.open_sync("shm", ["generator"])])
     ws, steps, probe = cfg.warm_start, 0, 0.0
     while steps < ws.max_steps:
         trainer.warm_start(min(ws.check_every, ws.max_steps - steps))

@@ -8,14 +8,14 @@ import pytest
 
 from relayrl.config import Config, load_config
 
+QUIET = ["log.progress=false", "log.tensorboard=false"]
 TINY = [
     "model.hidden_size=32",
     "model.num_layers=1",
     "model.num_heads=2",
     "model.intermediate_size=64",
     "warm_start.max_steps=0",
-    "log.progress=false",
-    "log.tensorboard=false",
+    *QUIET,
 ]
 
 
@@ -25,8 +25,10 @@ def shm_files() -> set[str]:
 
 
 def tiny_config(*overrides: str) -> Config:
-    """A config small enough for unit tests: a 1-layer, 32-wide Llama and no warm start."""
-    return load_config(None, [*TINY, *overrides])
+    """A config small enough for unit tests: a 1-layer, 32-wide Llama and no warm start (an
+    embodied one only turns the progress bar and TensorBoard off)."""
+    base = QUIET if "workload=embodied" in overrides else TINY
+    return load_config(None, [*base, *overrides])
 
 
 @pytest.fixture(scope="session")

@@ -306,8 +306,9 @@ def test_save_config_round_trips_overridden_values(tmp_path):
 
     assert load_config(saved) == cfg
     written = yaml.safe_load(saved.read_text())
-    assert list(written) == list(Config.model_fields)
-    assert written["trainer"]["lr"] == 1e-7
+    embodied_only = {"env", "rollout", "inference", "replay", "vla"}
+    assert list(written) == [k for k in Config.model_fields if k not in embodied_only]
+    assert "gamma" not in written["trainer"] and written["trainer"]["lr"] == 1e-7
     assert written["run"]["name"] == "2024"
 
 
@@ -317,3 +318,38 @@ def test_in_place_sync_needs_the_dist_transport():
     assert message.startswith("sync = ")
     assert "sync.in_place=true needs sync.transport=dist, got 'auto'" in message
     assert load_config(None, ["sync.in_place=true", "sync.transport=dist"]).sync.in_place
+
+
+@pytest.mark.parametrize(
+    ("workload", "key"),
+    [
+        ("llm", "env.name=babyai"),
+        ("llm", "trainer.epochs=3"),
+        ("embodied", "generator.group_size=4"),
+        ("embodied", "trainer.advantage=dr_grpo"),
+        ("embodied", "sync.precision=bf16"),
+    ],
+)
+def test_a_knob_the_workload_does_not_read_is_refused(workload, key):
+    message = config_error(None, [f"workload={workload}", key])
+    other = "embodied" if workload == "llm" else "llm"
+    field = key.split("=")[0]
+    named = field.split(".")[0] if field.split(".")[0] in ("env", "generator") else field
+    assert message.startswith(f"{named}: ")
+    assert f"does not apply to workload='{workload}'" in message
+    assert f"only workload='{other}' reads it" in message
+
+
+def test_a_saved_embodied_config_leaves_out_the_llm_knobs_and_loads_again(tmp_path):
+    cfg = load_config(REPO / "configs" / "babyai.yaml")
+    saved = tmp_path / "config.yaml"
+    save_config(cfg, saved)
+    written = yaml.safe_load(saved.read_text())
+    assert "generator" not in written and "advantage" not in written["trainer"]
+    assert "precision" not in written["sync"]
+    assert load_config(saved) == cfg
+
+
+def test_in_place_sync_is_refused_for_a_sharded_trainer():
+    message = config_error(None, ["trainer.ranks=2", "sync.transport=dist", "sync.in_place=true"])
+    assert "sync.in_place=true with trainer.ranks=2" in message

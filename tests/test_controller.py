@@ -169,3 +169,29 @@ def test_transport_follows_placement():
     assert pick_transport("disk", "n1", ["n2"]) == "disk"
     with pytest.raises(ValueError, match="sync.transport=shm needs the trainer"):
         pick_transport("shm", "n1", ["n2"])
+
+
+def test_async_replicas_each_generate_score_and_serve_every_version(ray_session, tmp_path):
+    _, summary = _run(
+        tmp_path, "mode=async", "max_staleness=2", "generator.replicas=2", "rewarder.replicas=2"
+    )
+    assert summary["samples"]["accounted"] and summary["staleness"]["max"] <= 2
+    replicas = summary["generation"]["replicas"]
+    assert set(replicas) == {"generator_0", "generator_1"}
+    assert all(r["tokens_generated"] > 0 for r in replicas.values())
+    # every replica is a receiver: after the last step each serves the trainer's last version
+    assert all(r["version"] == summary["updates"] for r in replicas.values())
+    busy = summary["perf"]["busy"]
+    assert {"generator_0", "generator_1", "rewarder_0", "rewarder_1", "trainer"} == set(busy)
+    assert min(busy.values()) > 0
+    roles = summary["topology"]["roles"]
+    assert [a["name"] for a in roles["generator"]] == ["generator_0", "generator_1"]
+    assert summary["topology"]["placement"] == "colocated" and summary["topology"]["nodes"] == 1
+
+
+def test_sync_replicas_train_on_both_batches_each_step(ray_session, tmp_path):
+    cfg, summary = _run(tmp_path, "mode=sync", "steps=3", "generator.replicas=2")
+    samples = summary["samples"]
+    per_step = 2 * cfg.generator.prompts_per_step * cfg.generator.group_size
+    assert samples["generated"] == samples["trained"] == 3 * per_step
+    assert summary["staleness"]["max"] == 0 and samples["accounted"]

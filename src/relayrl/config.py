@@ -145,6 +145,11 @@ class GeneratorConfig(_Section):
         description="Generator replicas, each a weight-sync receiver; in async mode each runs "
         "its own rollout loop behind the one staleness gate.",
     )
+    resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Ray resources each generator actor needs, e.g. "
+        "{node_type_a: 1} pins it to nodes started with that resource; {}: anywhere.",
+    )
 
 
 class RewarderConfig(_Section):
@@ -161,6 +166,11 @@ class RewarderConfig(_Section):
     replicas: int = Field(
         1, ge=1, description="Rewarder replicas; in async mode each runs its own scoring loop."
     )
+    resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Ray resources each rewarder actor needs, e.g. "
+        "{node_type_a: 1} pins it to nodes started with that resource; {}: anywhere.",
+    )
 
 
 class TrainerConfig(_Section):
@@ -172,6 +182,11 @@ class TrainerConfig(_Section):
         description="Trainer ranks: one torch.distributed group (gloo on CPU) with the model "
         "sharded by FSDP2; each rank trains on its share of every batch, and each publishes its "
         "own shard of the weights to every receiver.",
+    )
+    resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Ray resources each trainer (and replay-buffer) actor needs, e.g. "
+        "{node_type_a: 1} pins it to nodes started with that resource; {}: anywhere.",
     )
 
     loss: str = Field(
@@ -277,6 +292,11 @@ class RolloutConfig(_Section):
     """embodied: rollout workers, one environment each."""
 
     workers: int = Field(8, ge=1, description="Rollout workers (Ray actors).")
+    resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Ray resources each rollout-worker (and evaluator) actor needs, e.g. "
+        "{node_type_a: 1} pins it to nodes started with that resource; {}: anywhere.",
+    )
     segment_len: int = Field(
         32, ge=1, description="Most steps in one trajectory segment (L); episodes are cut."
     )
@@ -324,6 +344,11 @@ class InferenceConfig(_Section):
         ge=1,
         description="Inference-service replicas, each a weight-sync receiver; rollout workers "
         "are spread over them in turn.",
+    )
+    resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Ray resources each inference-service actor needs, e.g. "
+        "{node_type_a: 1} pins it to nodes started with that resource; {}: anywhere.",
     )
 
 
@@ -457,6 +482,36 @@ class LogConfig(_Section):
     )
 
 
+# What the other workload reads and this one does not: given for this one, it is refused (a knob
+# that does nothing is a bug), and a saved config leaves it out.
+NOT_FOR: dict[str, tuple[str, ...]] = {
+    "llm": (
+        "env",
+        "rollout",
+        "inference",
+        "replay",
+        "vla",
+        "trainer.gamma",
+        "trainer.lam",
+        "trainer.value_coef",
+        "trainer.entropy_coef",
+        "trainer.epochs",
+        "trainer.minibatch_steps",
+    ),
+    "embodied": (
+        "model",
+        "task",
+        "warm_start",
+        "generator",
+        "rewarder",
+        "channels",
+        "trainer.advantage",
+        "trainer.skip_zero_signal",
+        "sync.precision",
+    ),
+}
+
+
 class Config(_Section):
     """A whole run."""
 
@@ -470,6 +525,12 @@ class Config(_Section):
     )
     max_staleness: int = Field(
         2, ge=0, description="Most policy versions a trained token (or env step) may lag."
+    )
+    placement: Literal["colocated", "distributed"] = Field(
+        "colocated",
+        description="colocated: every actor in one placement-group bundle, so all roles share "
+        "a node (LlamaRL's co-located baseline); distributed: one bundle per actor, spread over "
+        "the nodes that have the resources each role asks for.",
     )
     workload: Literal["llm", "embodied"] = Field(
         "llm",
@@ -503,6 +564,15 @@ class Config(_Section):
                 f"env.image_size={self.env.image_size} must be a multiple of "
                 f"vla.patch_size={self.vla.patch_size}"
             )
+        for key in NOT_FOR[self.workload]:
+            section, _, name = key.partition(".")
+            given = getattr(self, section).model_fields_set if name else self.model_fields_set
+            if (name or section) in given:
+                other = next(w for w in NOT_FOR if w != self.workload)
+                raise ValueError(
+                    f"{key}: does not apply to workload={self.workload!r} (only "
+                    f"workload={other!r} reads it); remove it or set workload={other}"
+                )
         if self.sync.in_place and self.trainer.ranks > 1:
             raise ValueError(
                 f"sync.in_place=true with trainer.ranks={self.trainer.ranks}: FSDP2 owns the "
@@ -582,8 +652,16 @@ def _fields_at(loc: tuple) -> list[str]:
 
 
 def save_config(config: Config, path: Path) -> None:
-    """Write the resolved config as YAML."""
-    path.write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+    """Write the resolved config as YAML, without what its workload does not read."""
+    exclude: dict[str, Any] = {}
+    for key in NOT_FOR[config.workload]:
+        section, _, name = key.partition(".")
+        if name:
+            exclude.setdefault(section, set()).add(name)
+        else:
+            exclude[section] = True
+    tree = config.model_dump(mode="json", exclude=exclude)
+    path.write_text(yaml.safe_dump(tree, sort_keys=False))
 
 
 def reference_markdown() -> str:
@@ -597,7 +675,7 @@ def reference_markdown() -> str:
             if isinstance(annotation, type) and issubclass(annotation, BaseModel):
                 walk(annotation, key + ".")
                 continue
-            default = json.dumps(field.default)
+            default = json.dumps(field.get_default(call_default_factory=True))
             lines.append(f"| `{key}` | {_kind(annotation)} | `{default}` | {field.description} |")
 
     walk(Config, "")
@@ -607,6 +685,9 @@ def reference_markdown() -> str:
 def _kind(annotation: Any) -> str:
     if get_origin(annotation) is list:
         return f"list of {_kind(get_args(annotation)[0])}"
+    if get_origin(annotation) is dict:
+        key, value = get_args(annotation)
+        return f"map of {_kind(key)} to {_kind(value)}"
     if get_origin(annotation) is Literal:
         return " or ".join(json.dumps(choice) for choice in get_args(annotation))
     if get_args(annotation):

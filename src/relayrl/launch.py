@@ -1,81 +1,122 @@
-"""Placement: start or join Ray, create the executors as actors and wire them together.
+"""Placement: start or join Ray, role groups and where their actors go, weight-sync wiring.
 
-The embodied workload also builds its environments here (``ENVS``, ``build_env``), because a
-rollout worker actor gets a factory and builds (and after a crash rebuilds) its env itself.
+The workloads (``relayrl.workloads``) create their roles' actors through ``Placement`` and hand
+their groups back here to be wired and stopped. The embodied workload's environments are also
+built here (``ENVS``, ``build_env``), because a rollout worker actor gets a factory and builds
+(and after a crash rebuilds) its env itself.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import os
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from relayrl.config import Config, EnvConfig
 from relayrl.envs.embodied import EmbodiedEnv, Observation, StepResult
 from relayrl.envs.latency import LatencyEnv
-from relayrl.executors.generator import Generator
-from relayrl.executors.inference_service import ActReply, InferenceService
-from relayrl.executors.replay_buffer import ReplayBuffer
-from relayrl.executors.rewarder import Rewarder
+from relayrl.executors.inference_service import ActReply
 from relayrl.executors.rollout_worker import RolloutWorker
-from relayrl.executors.trainer import Trainer
-from relayrl.executors.vla_trainer import VLATrainer
-from relayrl.models.vla import VLAConfig, VLAPolicy
+from relayrl.models.vla import VLAConfig
+
+# Ray CPUs each actor reserves in its placement-group bundle: enough to make a bundle (Ray refuses
+# empty ones), small enough that many actors on a 2-CPU node leave room for every task. Executors
+# set their own torch thread counts.
+CPU_SHARE = 0.01
 
 
 @dataclass
-class Executors:
-    """Ray actor handles of one LLM run."""
+class Group:
+    """One role's actors: the N ranks of one process group (the trainer) or M independent
+    replicas. Call sites fan out visibly: ``group[i]`` is one member, ``for a in group`` all."""
 
-    generator: Any
-    rewarder: Any
-    trainer: Any
+    role: str
+    actors: list[Any]
 
-    def all(self) -> dict[str, Any]:
-        """Every executor by name."""
-        return {"generator": self.generator, "rewarder": self.rewarder, "trainer": self.trainer}
+    def __len__(self) -> int:
+        return len(self.actors)
 
-    def traced(self) -> dict[str, Any]:
-        """The executors that record spans (all of them)."""
-        return self.all()
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.actors)
 
-    def receivers(self) -> dict[str, Any]:
-        """Weight-sync receivers by name."""
-        return {"generator": self.generator}
+    def __getitem__(self, index: int) -> Any:
+        return self.actors[index]
+
+    @property
+    def names(self) -> list[str]:
+        """One name per member: the role for a group of one, ``role_i`` otherwise."""
+        if len(self.actors) == 1:
+            return [self.role]
+        return [f"{self.role}_{i}" for i in range(len(self.actors))]
+
+    def named(self) -> dict[str, Any]:
+        """Members by name."""
+        return dict(zip(self.names, self.actors, strict=True))
 
 
-@dataclass
-class EmbodiedExecutors:
-    """Ray actor handles of one embodied run, and what the controller needs to know of its env."""
+class Placement:
+    """Where actors go: Ray placement groups built from ``cfg.placement`` and each role's
+    ``resources``.
 
-    trainer: Any
-    inference_service: Any
-    replay_buffer: Any
-    workers: list[Any]
-    evaluators: list[Any]  # rollout workers that play evaluation episodes only
-    tasks: tuple[str, ...]  # the tasks episodes are drawn from
+    ``colocated`` puts every actor in one bundle of one placement group, so all roles share a
+    node. ``distributed`` gives every actor a bundle of its own with its role's resources, in one
+    SPREAD placement group, so roles land on the nodes that carry their resources.
+    """
 
-    def all(self) -> dict[str, Any]:
-        """Every actor by name."""
-        workers = {f"rollout_worker_{i}": w for i, w in enumerate(self.workers)}
-        evaluators = {f"evaluator_{i}": w for i, w in enumerate(self.evaluators)}
-        return {**self.traced(), "replay_buffer": self.replay_buffer, **workers, **evaluators}
+    def __init__(self, cfg: Config, roles: dict[str, tuple[int, dict[str, float]]]):
+        self.strategy = cfg.placement
+        self.index: dict[tuple[str, int], int] = {}
+        bundles: list[dict[str, float]] = []
+        for role, (count, resources) in roles.items():
+            for i in range(count):
+                if self.strategy == "colocated":
+                    if not bundles:
+                        bundles.append({})
+                    for key, amount in {"CPU": CPU_SHARE, **resources}.items():
+                        bundles[0][key] = bundles[0].get(key, 0.0) + amount
+                    self.index[role, i] = 0
+                else:
+                    self.index[role, i] = len(bundles)
+                    bundles.append({"CPU": CPU_SHARE, **resources})
+        self.resources = {role: resources for role, (_, resources) in roles.items()}
+        strategy = "STRICT_PACK" if self.strategy == "colocated" else "SPREAD"
+        self.group = placement_group(bundles, strategy=strategy)
+        try:
+            ray.get(self.group.ready(), timeout=PLACEMENT_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            remove_placement_group(self.group)
+            raise RuntimeError(
+                f"placement={self.strategy}: Ray could not place {len(bundles)} bundle(s) "
+                f"{bundles} within {PLACEMENT_TIMEOUT_S} s; check that the cluster's nodes carry "
+                "the resources each role asks for (ray status)"
+            ) from None
 
-    def traced(self) -> dict[str, Any]:
-        """The executors that record spans."""
-        return {"trainer": self.trainer, "inference_service": self.inference_service}
+    def options(self, role: str, i: int) -> dict[str, Any]:
+        """Ray actor options that put member ``i`` of ``role`` in its bundle."""
+        return {
+            "num_cpus": CPU_SHARE,
+            "resources": self.resources[role],
+            "max_restarts": 0,
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                self.group, placement_group_bundle_index=self.index[role, i]
+            ),
+        }
 
-    def receivers(self) -> dict[str, Any]:
-        """Weight-sync receivers by name."""
-        return {"inference_service": self.inference_service}
+    def close(self) -> None:
+        """Release the bundles (after the actors are killed)."""
+        remove_placement_group(self.group)
+
+
+PLACEMENT_TIMEOUT_S = 120
 
 
 def start_ray(cfg: Config) -> None:
@@ -87,25 +128,13 @@ def start_ray(cfg: Config) -> None:
         return
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(
+        # "local": always a new instance, never a cluster some other process started here
+        address="local",
         num_cpus=cfg.ray.num_cpus,
         include_dashboard=False,
         _node_ip_address="127.0.0.1",
         log_to_driver=True,
         configure_logging=False,
-    )
-
-
-def place_executors(cfg: Config) -> Executors:
-    """Create the generator, rewarder and trainer actors.
-
-    Actors reserve no Ray CPUs: each sets its own torch thread count, and fractional reservations
-    on a 2-CPU node can leave a later task unschedulable.
-    """
-    actor = ray.remote(num_cpus=0, max_restarts=0)
-    return Executors(
-        generator=actor(Generator).options(name=None).remote(cfg),
-        rewarder=actor(Rewarder).remote(cfg),
-        trainer=actor(Trainer).remote(cfg),
     )
 
 
@@ -122,36 +151,76 @@ def pick_transport(requested: str, trainer_node: str, receiver_nodes: list[str])
     return requested
 
 
-def connect_weight_sync(cfg: Config, ex: Executors | EmbodiedExecutors) -> str:
-    """Open the trainer's publisher for the run's receivers, rendezvous all, return the
-    transport."""
-    receivers = ex.receivers()
+def node_of(actor: Any) -> tuple[str, str]:
+    """Run inside an actor (``actor.__ray_call__.remote(node_of)``): its Ray node id and IP."""
+    return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
+
+
+def topology(groups: Sequence[Group], placement: str) -> dict:
+    """summary.json's ``topology``: placement, and every actor's node, by role."""
+    refs = {g.role: [a.__ray_call__.remote(node_of) for a in g] for g in groups}
+    nodes = {role: ray.get(r, timeout=60) for role, r in refs.items()}
+    return {
+        "placement": placement,
+        "nodes": len({node for found in nodes.values() for node, _ in found}),
+        "roles": {
+            g.role: [
+                {"name": name, "node": node, "ip": ip}
+                for name, (node, ip) in zip(g.names, nodes[g.role], strict=True)
+            ]
+            for g in groups
+        },
+    }
+
+
+def connect_weight_sync(cfg: Config, trainer: Group, receivers: dict[str, Any]) -> str:
+    """Open every trainer rank's publisher for ``receivers`` (by name), give each receiver the
+    addresses of all ranks, rendezvous all; returns the transport.
+
+    ``sync.transport=auto`` takes shm only when every receiver shares the trainer's node; a
+    transport is one choice for the run, because a receiver takes every rank's shard the same way.
+    """
     (trainer_node, trainer_ip), *nodes = ray.get(
-        [ex.trainer.node.remote(), *(h.node.remote() for h in receivers.values())]
+        [trainer[0].__ray_call__.remote(node_of)]
+        + [r.__ray_call__.remote(node_of) for r in receivers.values()]
     )
     transport = pick_transport(cfg.sync.transport, trainer_node, [node for node, _ in nodes])
-    address = ray.get(ex.trainer.open_sync.remote(transport, list(receivers), trainer_ip))
-    ray.get([h.open_sync.remote(address, name) for name, h in receivers.items()])
+    names = list(receivers)
+    addresses = ray.get([rank.open_sync.remote(transport, names, trainer_ip) for rank in trainer])
+    ray.get([r.open_sync.remote(addresses, name) for name, r in receivers.items()])
     ray.get(
-        [ex.trainer.connect_sync.remote(), *(h.connect_sync.remote() for h in receivers.values())]
+        [rank.connect_sync.remote() for rank in trainer]
+        + [r.connect_sync.remote() for r in receivers.values()]
     )
     return transport
 
 
-def stop_executors(executors: Executors | EmbodiedExecutors) -> None:
-    """Kill the actors of a run (the Ray instance stays up for the next run).
+def form_trainer_group(trainer: Group) -> None:
+    """Form the trainer ranks' process group (rank 0 hosts the rendezvous); one rank has none."""
+    if len(trainer) > 1:
+        host, port = ray.get(trainer[0].group_address.remote())
+        ray.get([rank.join_group.remote(host, port) for rank in trainer])
 
-    The rewarder is asked first to stop its scoring processes, and the trainer to close its
-    weight-sync publisher (shm files in /dev/shm), which a kill would leave behind.
-    """
-    closing = [executors.trainer.close_sync.remote()]
-    if isinstance(executors, Executors):
-        closing.append(executors.rewarder.close.remote())
+
+def publish_weights(trainer: Group, receivers: dict[str, Any]) -> list[Any]:
+    """Every trainer rank publishes its shard; every receiver takes all ranks' tickets of the
+    version. Returns the receivers' ``update_weights`` refs (each resolves to the version)."""
+    tickets = [rank.publish.remote() for rank in trainer]
+    return [r.update_weights.remote(*tickets) for r in receivers.values()]
+
+
+def stop(groups: Sequence[Group], placement: Placement | None, closing: Sequence[Any]) -> None:
+    """Kill the actors of a run (the Ray instance stays up for the next run) and free their
+    placement group, after waiting for the ``closing`` calls (object refs) to end: what a kill
+    would leave behind (shm files of the trainer ranks' publishers, scoring processes)."""
     for ref in closing:
         with contextlib.suppress(Exception):  # it may already be dead; the kill below still runs
             ray.get(ref, timeout=30)
-    for handle in executors.all().values():
-        ray.kill(handle)
+    for g in groups:
+        for actor in g:
+            ray.kill(actor)
+    if placement is not None:
+        placement.close()
 
 
 # The instruction every observation carries in an instruction-blind control run (env.blind).
@@ -275,63 +344,4 @@ def vla_config(cfg: Config, views: int, dims: int, vocab: int) -> VLAConfig:
         action_dims=dims,
         action_vocab=vocab,
         **cfg.vla.model_dump(),
-    )
-
-
-def place_embodied(cfg: Config, make_env: Callable[[int], EmbodiedEnv]) -> EmbodiedExecutors:
-    """Create the trainer, inference service, replay buffer, rollout workers and evaluators.
-
-    One env is built here first to learn its views, action space and tasks. Each worker gets its
-    own seed and a factory it rebuilds its env with after a crash. Evaluators are rollout workers
-    of their own seeds, so evaluation episodes are never trained on; in an evaluator a whole
-    episode is one segment.
-    """
-    probe = make_env(cfg.run.seed)
-    try:
-        views = probe.reset().image.shape[0]
-        space, tasks = probe.action_space, tuple(probe.tasks)
-    finally:
-        probe.close()
-    if cfg.env.name == "libero" and cfg.env.tasks:
-        unknown = sorted(set(cfg.env.tasks) - set(tasks))
-        if unknown:
-            raise ValueError(f"env.tasks {unknown} are not tasks of {cfg.env.suite}: {tasks}")
-        tasks = tuple(cfg.env.tasks)
-    vla = vla_config(cfg, views, space.dims, space.vocab)
-    actor = ray.remote(num_cpus=0, max_restarts=0)
-    seed = cfg.run.seed
-
-    def worker(i: int, seed: int, segment_len: int) -> Any:
-        return (
-            actor(RolloutWorker)
-            .options(max_concurrency=2)  # stop(), stats(), task weights served while run() loops
-            .remote(
-                i,
-                functools.partial(make_env, seed + 1000),
-                segment_len=segment_len,
-                seed=seed,
-                task_sampler=TaskSampler(tasks, seed),
-                max_consecutive_errors=cfg.rollout.max_consecutive_errors,
-            )
-        )
-
-    workers = [worker(i, seed + 1 + i, cfg.rollout.segment_len) for i in range(cfg.rollout.workers)]
-    evaluators = [worker(i, seed + 10**6 + i, 10**9) for i in range(cfg.env.eval_workers)]
-    return EmbodiedExecutors(
-        trainer=actor(VLATrainer).remote(cfg, vla),
-        # Its initial weights are replaced by the trainer's version 0 before the first action.
-        inference_service=actor(InferenceService).remote(
-            VLAPolicy(vla),
-            max_batch=cfg.inference.max_batch,
-            max_wait_ms=cfg.inference.max_wait_ms,
-            threads=cfg.ray.threads_per_executor,
-            sync_timeout_s=cfg.sync.timeout_s,
-        ),
-        # Threaded: the trainer's blocking get must not hold up the workers' puts.
-        replay_buffer=actor(ReplayBuffer)
-        .options(max_concurrency=4)
-        .remote(cfg.replay.capacity_steps, max_staleness=cfg.max_staleness),
-        workers=workers,
-        evaluators=evaluators,
-        tasks=tasks,
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -42,6 +43,37 @@ class RolloutBatch:
         """[B] the oldest policy version that sampled any token of each completion."""
         big = np.iinfo(np.int64).max
         return np.where(self.completion_mask, self.versions, big).min(axis=1)
+
+    @classmethod
+    def concat(cls, batches: Sequence[RolloutBatch]) -> RolloutBatch:
+        """One batch holding ``batches`` one after the other, padded to the longest row."""
+        if len(batches) == 1:
+            return batches[0]
+        if len({b.group_size for b in batches}) != 1:
+            sizes = [b.group_size for b in batches]
+            raise ValueError(f"batches to concatenate must share a group_size, got {sizes}")
+        width = max(b.tokens.shape[1] for b in batches)
+
+        def stack(name: str, fill: float) -> np.ndarray:
+            parts = [getattr(b, name) for b in batches]
+            return np.concatenate(
+                [np.pad(p, ((0, 0), (0, width - p.shape[1])), constant_values=fill) for p in parts]
+            )
+
+        scored = all(b.rewards is not None for b in batches)
+        return cls(
+            tokens=stack("tokens", 0),
+            prompt_len=np.concatenate([b.prompt_len for b in batches]),
+            completion_len=np.concatenate([b.completion_len for b in batches]),
+            logprobs=stack("logprobs", 0.0),
+            versions=stack("versions", -1),
+            finished=np.concatenate([b.finished for b in batches]),
+            group_size=batches[0].group_size,
+            answers=[a for b in batches for a in b.answers],
+            completions=[c for b in batches for c in b.completions],
+            rewards=np.concatenate([b.rewards for b in batches]) if scored else None,
+            score_errors=sum(b.score_errors for b in batches),
+        )
 
     def select(self, keep: np.ndarray) -> RolloutBatch:
         """Rows where ``keep`` (a [B] bool array) is true; ``keep`` must keep whole groups."""

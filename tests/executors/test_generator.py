@@ -42,7 +42,7 @@ def test_every_token_carries_the_version_that_sampled_it():
     )
     gen = Generator(cfg)
     publisher = TRANSPORTS["shm"].Publisher(gen.model.state_dict(), ["generator"])
-    gen.open_sync(publisher.address)
+    gen.open_sync([publisher.address])
     for version in range(1, 4):
         _, batch = gen.generate()  # the third call returns the groups started by the first
         gen.update_weights(publisher.publish(version, gen.model.state_dict()))
@@ -75,7 +75,7 @@ def test_an_int8_generator_serves_a_quantised_copy_of_the_trainers_weights():
     trainer_side = Generator(tiny_config()).model.state_dict()
     publisher = TRANSPORTS["shm"].Publisher(trainer_side, ["generator"])
     gen = Generator(cfg)
-    gen.open_sync(publisher.address)
+    gen.open_sync([publisher.address])
     assert not gen.receiver.zero_copy
     ticket = publisher.publish(3, trainer_side)
     gen.update_weights(ticket)

@@ -138,7 +138,7 @@ def test_in_place_sync_sends_the_trained_weights_from_the_trainers_memory():
     trainer = Trainer(tiny_config(*in_place))
     generator = Generator(tiny_config(*in_place))
     address = trainer.open_sync("dist", ["generator"])
-    generator.open_sync(address)
+    generator.open_sync([address])
     joining = threading.Thread(target=generator.connect_sync)
     joining.start()
     trainer.connect_sync()

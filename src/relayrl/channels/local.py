@@ -42,23 +42,27 @@ class Channel(Generic[T]):
         self._producer = producer
         self._consumer = consumer
 
-    async def put(self, item: T) -> None:
-        """Append ``item``, waiting while the channel is full."""
+    async def put(self, item: T, producer: Tracer | None = None) -> None:
+        """Append ``item``, waiting while the channel is full; a wait is recorded on
+        ``producer`` (default: the channel's)."""
         if self._closed:
             raise ChannelClosed(self.name)
         start = time.time()
         await self._queue.put(item)
-        if self._producer is not None:
-            self._producer.wait(f"{self.name} full", start, time.time())
+        producer = producer or self._producer
+        if producer is not None:
+            producer.wait(f"{self.name} full", start, time.time())
 
-    async def get(self) -> T:
-        """Remove and return the oldest item, waiting while the channel is empty."""
+    async def get(self, consumer: Tracer | None = None) -> T:
+        """Remove and return the oldest item, waiting while the channel is empty; a wait is
+        recorded on ``consumer`` (default: the channel's)."""
         if self._closed and self._queue.empty():
             raise ChannelClosed(self.name)
         start = time.time()
         item = await self._queue.get()
-        if self._consumer is not None:
-            self._consumer.wait(f"{self.name} empty", start, time.time())
+        consumer = consumer or self._consumer
+        if consumer is not None:
+            consumer.wait(f"{self.name} empty", start, time.time())
         return item
 
     def close(self) -> list[T]:

@@ -28,6 +28,8 @@ from relayrl.types import RolloutBatch, RolloutMeta
 from relayrl.weight_sync import TRANSPORTS, Ticket
 from relayrl.weight_sync.buckets import precision_dtype
 
+REPLICA_SEED_STRIDE = 7919  # seed offset between generator replicas
+
 
 @dataclass
 class _Sample:
@@ -50,15 +52,17 @@ class Generator:
 
     name = "generator"
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, replica: int = 0):
         torch.set_num_threads(cfg.ray.threads_per_executor)
         self.cfg = cfg.generator
         self.tokenizer = load_tokenizer(cfg.model.tokenizer)
         self.model = build_policy(cfg.model, self.tokenizer, cfg.run.seed).eval()
         self.task = build_task(cfg.task)
         self.probe = self.task.sample(cfg.warm_start.probe_size, random.Random(cfg.run.seed + 4))
-        self.rng = random.Random(cfg.run.seed + 1)
-        self.torch_rng = torch.Generator().manual_seed(cfg.run.seed + 2)
+        # Replicas draw different prompts and samples; replica 0 keeps the single-replica seeds.
+        seed = cfg.run.seed + REPLICA_SEED_STRIDE * replica
+        self.rng = random.Random(seed + 1)
+        self.torch_rng = torch.Generator().manual_seed(seed + 2)
         self.version = 0
         self.pending: list[_Sample] = []
         self.groups: dict[int, _Group] = {}
@@ -166,14 +170,15 @@ class Generator:
                 sample.versions = [self.version] * len(tokens)
         return _to_batch(samples, [a for a in answers for _ in range(k)], group_size=k)
 
-    def open_sync(self, address: dict, name: str = "generator") -> None:
-        """Attach a weight-sync receiver (in ``sync.precision``) to the trainer's publisher."""
+    def open_sync(self, addresses: list[dict], name: str = "generator") -> None:
+        """Attach a weight-sync receiver (in ``sync.precision``) to the publishers of every
+        trainer rank."""
         dtype = precision_dtype(self.sync_cfg.precision)
         if dtype is not None:
             self.model.to(dtype)
-        self.receiver = TRANSPORTS[address["kind"]].Receiver(
+        self.receiver = TRANSPORTS[addresses[0]["kind"]].Receiver(
             self.model,
-            [address],
+            addresses,
             name,
             precision=self.sync_cfg.precision,
             timeout_s=self.sync_cfg.timeout_s,
@@ -183,13 +188,14 @@ class Generator:
         """Rendezvous with the publisher (it calls its ``connect_sync`` meanwhile)."""
         self.receiver.connect()
 
-    def update_weights(self, ticket: Ticket) -> int:
-        """Swap in a newer policy; called between generate calls, which is the safe point."""
+    def update_weights(self, *tickets: Ticket) -> int:
+        """Swap in a newer policy, once every trainer rank's shard of it is here (one ticket per
+        rank); called between generate calls, which is the safe point."""
         if self.receiver is None:
             raise RuntimeError("call open_sync() before update_weights()")
-        with self.tracer.span("update_weights", ticket.version):
-            stats = self.receiver.receive([ticket])
-            self.version = ticket.version
+        with self.tracer.span("update_weights", tickets[0].version):
+            stats = self.receiver.receive(tickets)
+            self.version = stats.version
         self.sync_receive.append(stats.total_s)
         return self.version
 

@@ -152,18 +152,20 @@ class InferenceService:
                 self.version = version
         return self.version
 
-    async def open_sync(self, address: dict, name: str = "inference_service") -> None:
-        """Attach a weight-sync receiver to the trainer's publisher at ``address``."""
-        self.receiver = TRANSPORTS[address["kind"]].Receiver(
-            self.policy, [address], name, timeout_s=self.sync_timeout_s
+    async def open_sync(self, addresses: list[dict], name: str = "inference_service") -> None:
+        """Attach a weight-sync receiver to the publishers of every trainer rank."""
+        self.receiver = TRANSPORTS[addresses[0]["kind"]].Receiver(
+            self.policy, addresses, name, timeout_s=self.sync_timeout_s
         )
 
     async def connect_sync(self) -> None:
         """Rendezvous with the publisher (it calls its ``connect_sync`` meanwhile)."""
         await asyncio.get_running_loop().run_in_executor(self._executor, self.receiver.connect)
 
-    async def update_weights(self, ticket: Ticket) -> int:
-        """Take the published version of ``ticket``, draining like ``set_weights``; returns it."""
+    async def update_weights(self, *tickets: Ticket) -> int:
+        """Take the published version of ``tickets`` (one per trainer rank), draining like
+        ``set_weights``; returns it."""
+        ticket = tickets[0]
         if self.receiver is None:
             raise RuntimeError("call open_sync() before update_weights()")
         if ticket.version < self.version:
@@ -174,7 +176,7 @@ class InferenceService:
         async with self._model_lock:
             with self.tracer.span("update_weights", ticket.version):
                 stats = await asyncio.get_running_loop().run_in_executor(
-                    self._executor, self.receiver.receive, [ticket]
+                    self._executor, self.receiver.receive, tickets
                 )
                 self.version = ticket.version
         self.sync_receive.append(stats.total_s)

@@ -43,10 +43,11 @@ class Rewarder:
         self.errors = 0
         self.timeouts = 0
 
-    def score(self, batch: RolloutBatch) -> tuple[dict[str, float], RolloutBatch]:
-        """A small summary, and the batch with ``completions``, ``rewards``, ``score_errors``."""
+    def score(self, *batches: RolloutBatch) -> tuple[dict[str, float], RolloutBatch]:
+        """A small summary, and one batch (``batches`` one after the other) with
+        ``completions``, ``rewards`` and ``score_errors`` filled in."""
         with self.tracer.span("score"):
-            return self._score(batch)
+            return self._score(RolloutBatch.concat(batches))
 
     def _score(self, batch: RolloutBatch) -> tuple[dict[str, float], RolloutBatch]:
         start = time.perf_counter()

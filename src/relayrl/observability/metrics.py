@@ -69,6 +69,14 @@ class MetricsLog:
             self._wandb.finish()
 
 
+class Tracers(dict):
+    """Tracers by executor name, each made on first use."""
+
+    def __missing__(self, name: str) -> Tracer:
+        self[name] = Tracer(name)
+        return self[name]
+
+
 class RunTally:
     """Run-level counts the controller keeps while the loop runs: samples, lags, step times."""
 
@@ -84,7 +92,7 @@ class RunTally:
         self.gen_s: list[float] = []
         self.score_s: list[float] = []
         self.train_s: list[float] = []
-        self.idle = {name: Tracer(name) for name in ("generator", "rewarder", "trainer")}
+        self.idle = Tracers()  # waits the controller sees, by executor name
         self._recent: dict[str, float] = {}
         self._total = steps
         self._progress = progress

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 MIN_WAIT_S = 1e-4
 
@@ -95,6 +96,48 @@ def chrome_trace(tracers: dict[str, tuple[list[Span], list[Span]]], origin: floa
                     }
                 )
     return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def collect_spans(
+    traced: dict[str, Any], seen: Mapping[str, Tracer]
+) -> dict[str, tuple[list[Span], list[Span]]]:
+    """Each executor's busy spans, and its waits: its own plus those ``seen`` by the controller
+    on its behalf (``traced``: Ray actor handles by executor name)."""
+    import ray
+
+    traces = ray.get([handle.trace.remote() for handle in traced.values()], timeout=60)
+    return {
+        name: (busy, sorted(waits + (seen[name].waits if name in seen else []), key=_start))
+        for name, (busy, waits) in zip(traced, traces, strict=True)
+    }
+
+
+def save_trace(
+    run_dir: Path, spans: dict, origin: float, window: tuple[float, float], steps: int
+) -> tuple[Path, Path]:
+    """trace.json (all spans, RL window and busy fractions in ``otherData``) and timeline.png
+    (eight steps around the middle of the RL window)."""
+    from relayrl.observability.plots import plot_timeline
+
+    start, end = window
+    trace = chrome_trace(spans, origin)
+    trace["otherData"] = {
+        "rl_window_us": [(start - origin) * 1e6, (end - origin) * 1e6],
+        "busy": {
+            n: busy_seconds(b, start, end) / max(end - start, 1e-9) for n, (b, _) in spans.items()
+        },
+    }
+    step = (end - start) / max(steps, 1)
+    middle = (start + end) / 2
+    shown = (max(start, middle - 4 * step), min(end, middle + 4 * step))
+    return (
+        write_trace(run_dir / "trace.json", trace),
+        plot_timeline(spans, run_dir / "timeline.png", shown, trace["otherData"]["busy"]),
+    )
+
+
+def _start(span: Span) -> float:
+    return span.start
 
 
 def write_trace(path: Path, trace: dict) -> Path:

@@ -1,0 +1,404 @@
+"""The embodied workload (AcceRL): rollout workers step one env each and ask inference-service
+replicas for actions; segments reach the trainer group (sync: collected in lockstep; async:
+streamed through the replay buffer), which recomputes values and GAE and applies GIPO.
+
+Samples are env steps: every step a worker took is trained, dropped (stale, evicted from a full
+buffer, or lost with a crashed env's unfinished segment) or still in flight (resident in the
+buffer, fetched for a step that never ran, or in a worker's open segment).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from collections.abc import Callable
+from typing import Any
+
+import ray
+
+from relayrl.algorithms.curriculum import Curriculum
+from relayrl.algorithms.dwr import DynamicWeightedResampler
+from relayrl.config import Config
+from relayrl.envs.embodied import EmbodiedEnv
+from relayrl.executors.inference_service import InferenceService
+from relayrl.executors.replay_buffer import ReplayBuffer
+from relayrl.executors.rollout_worker import RolloutWorker
+from relayrl.executors.vla_trainer import VLATrainer
+from relayrl.launch import (
+    Group,
+    Placement,
+    ServiceClient,
+    TaskSampler,
+    build_env,
+    form_trainer_group,
+    publish_weights,
+    set_task_weights,
+    vla_config,
+)
+from relayrl.models.vla import VLAPolicy
+from relayrl.observability.metrics import MetricsLog, RunTally
+from relayrl.types import Segment
+
+
+class EmbodiedWorkload:
+    """Roles ``trainer`` (ranks), ``inference_service`` (replicas), ``replay_buffer``,
+    ``rollout_worker`` and ``evaluator`` (rollout workers whose episodes are never trained on)."""
+
+    def __init__(self, cfg: Config, make_env: Callable[[int], EmbodiedEnv] | None = None):
+        self.cfg = cfg
+        # seed -> env; replaces the env that cfg.env describes
+        self.make_env = make_env or functools.partial(build_env, cfg.env)
+        self.placement: Placement | None = None
+        self.trainer = Group("trainer", [])
+        self.services = Group("inference_service", [])
+        self.replay_buffer: Any = None
+        self.workers = Group("rollout_worker", [])
+        self.evaluators = Group("evaluator", [])
+        greedy = "greedy" if cfg.env.eval_greedy else "sampled"
+        self.legend = {"eval_label": f"evaluation success ({greedy})"}
+
+    def place(self) -> None:
+        """Create every role's actors; rollout workers and evaluators are spread over the
+        inference replicas in turn.
+
+        One env is built here first to learn its views, action space and tasks. Each worker gets
+        its own seed and a factory it rebuilds its env with after a crash. In an evaluator a whole
+        episode is one segment.
+        """
+        cfg = self.cfg
+        probe = self.make_env(cfg.run.seed)
+        try:
+            views = probe.reset().image.shape[0]
+            space, tasks = probe.action_space, tuple(probe.tasks)
+        finally:
+            probe.close()
+        if cfg.env.name == "libero" and cfg.env.tasks:
+            unknown = sorted(set(cfg.env.tasks) - set(tasks))
+            if unknown:
+                raise ValueError(f"env.tasks {unknown} are not tasks of {cfg.env.suite}: {tasks}")
+            tasks = tuple(cfg.env.tasks)
+        self.tasks = tasks
+        vla = vla_config(cfg, views, space.dims, space.vocab)
+        ranks, replicas = cfg.trainer.ranks, cfg.inference.replicas
+        self.placement = Placement(
+            cfg,
+            {
+                "trainer": (ranks, cfg.trainer.resources),
+                "replay_buffer": (1, cfg.trainer.resources),
+                "inference_service": (replicas, cfg.inference.resources),
+                "rollout_worker": (cfg.rollout.workers, cfg.rollout.resources),
+                "evaluator": (cfg.env.eval_workers, cfg.rollout.resources),
+            },
+        )
+        at = self.placement.options
+        self.trainer = Group(
+            "trainer",
+            [
+                ray.remote(VLATrainer)
+                .options(**at("trainer", r))
+                .remote(cfg, vla, rank=r, world=ranks)
+                for r in range(ranks)
+            ],
+        )
+        # A service's initial weights are replaced by the trainer's version 0 before any action.
+        self.services = Group(
+            "inference_service",
+            [
+                ray.remote(InferenceService)
+                .options(**at("inference_service", i))
+                .remote(
+                    VLAPolicy(vla),
+                    max_batch=cfg.inference.max_batch,
+                    max_wait_ms=cfg.inference.max_wait_ms,
+                    threads=cfg.ray.threads_per_executor,
+                    sync_timeout_s=cfg.sync.timeout_s,
+                )
+                for i in range(replicas)
+            ],
+        )
+        # Threaded: a blocking get must not hold up the workers' puts.
+        self.replay_buffer = (
+            ray.remote(ReplayBuffer)
+            .options(max_concurrency=4, **at("replay_buffer", 0))
+            .remote(cfg.replay.capacity_steps, max_staleness=cfg.max_staleness)
+        )
+
+        def worker(role: str, i: int, seed: int, segment_len: int) -> Any:
+            return (
+                ray.remote(RolloutWorker)
+                .options(max_concurrency=2, **at(role, i))  # stop(), stats() served while run()
+                .remote(
+                    i,
+                    functools.partial(self.make_env, seed + 1000),
+                    segment_len=segment_len,
+                    seed=seed,
+                    task_sampler=TaskSampler(tasks, seed),
+                    max_consecutive_errors=cfg.rollout.max_consecutive_errors,
+                )
+            )
+
+        seed = cfg.run.seed
+        self.workers = Group(
+            "rollout_worker",
+            [
+                worker("rollout_worker", i, seed + 1 + i, cfg.rollout.segment_len)
+                for i in range(cfg.rollout.workers)
+            ],
+        )
+        self.evaluators = Group(
+            "evaluator",
+            [worker("evaluator", i, seed + 10**6 + i, 10**9) for i in range(cfg.env.eval_workers)],
+        )
+        self.choice = TaskChoice(cfg, tasks)
+        form_trainer_group(self.trainer)
+
+    def service_of(self, worker: int) -> Any:
+        """The inference replica that answers rollout worker (or evaluator) ``worker``."""
+        return self.services[worker % len(self.services)]
+
+    def service_client(self, worker: int) -> ServiceClient:
+        """What rollout worker ``worker`` calls for an action in async mode."""
+        return ServiceClient(self.service_of(worker))
+
+    def groups(self) -> list[Group]:
+        """Every role group."""
+        buffer = Group("replay_buffer", [self.replay_buffer] if self.replay_buffer else [])
+        return [self.trainer, self.services, buffer, self.workers, self.evaluators]
+
+    def traced(self) -> dict[str, Any]:
+        """Executors that record spans, by name: trainer ranks and inference replicas."""
+        return self.trainer.named() | self.services.named()
+
+    def receivers(self) -> dict[str, Any]:
+        """Every inference replica receives the weights."""
+        return self.services.named()
+
+    def closing(self) -> list[Any]:
+        """Close the trainer ranks' publishers."""
+        return [r.close_sync.remote() for r in self.trainer]
+
+    def prepare(self, log: MetricsLog) -> dict:
+        """Publish version 0, pin the evaluators to ``env.eval_tasks``, evaluate, and give the
+        workers their first task weights."""
+        cfg = self.cfg
+        ray.get(publish_weights(self.trainer, self.receivers()))
+        if cfg.env.eval_tasks is not None:
+            unknown = sorted(set(cfg.env.eval_tasks) - set(self.tasks))
+            if unknown or not cfg.env.eval_tasks:
+                raise ValueError(
+                    f"env.eval_tasks={cfg.env.eval_tasks} must be a non-empty subset of the env's "
+                    f"tasks {list(self.tasks)}; unknown: {unknown}"
+                )
+            weights = [float(t in cfg.env.eval_tasks) for t in self.tasks]
+            ray.get([w.__ray_call__.remote(set_task_weights, weights) for w in self.evaluators])
+        start = asyncio.run(self.evaluate())
+        log.log(0, {f"eval/{k}": v for k, v in start.items() if k != "per_task"})
+        weights = self.choice.weights()
+        ray.get([w.__ray_call__.remote(set_task_weights, weights) for w in self.workers])
+        return {"eval": {"start": start}}
+
+    async def lockstep(self, workers: Group, quotas: list[int], *, greedy: bool = False) -> list:
+        """Step ``workers`` in lockstep, one batched forward pass per inference replica per step,
+        until worker ``i`` has closed ``quotas[i]`` segments; returns the closed segments."""
+        closed: list[Segment] = []
+        left = list(quotas)
+        while any(n > 0 for n in left):
+            active = [i for i, n in enumerate(left) if n > 0]
+            observations = await asyncio.gather(*(workers[i].observe.remote() for i in active))
+            by_service: dict[int, list[int]] = {}
+            for k, i in enumerate(active):
+                by_service.setdefault(i % len(self.services), []).append(k)
+            answers = await asyncio.gather(
+                *(
+                    self.services[s].act_batch.remote([observations[k] for k in ks], greedy=greedy)
+                    for s, ks in by_service.items()
+                )
+            )
+            replies: dict[int, Any] = {}
+            for ks, answer in zip(by_service.values(), answers, strict=True):
+                replies.update(zip(ks, answer, strict=True))
+            steps = [
+                workers[i].step.remote(
+                    replies[k].actions, replies[k].logprobs, replies[k].value, replies[k].version
+                )
+                for k, i in enumerate(active)
+            ]
+            for i, segments in zip(active, await asyncio.gather(*steps), strict=True):
+                closed += segments
+                left[i] -= len(segments)
+        return closed
+
+    async def evaluate(self) -> dict:
+        """Success rate of the served policy on ``env.eval_episodes`` fresh episodes, played in
+        lockstep by the evaluators."""
+        start = time.time()
+        version = (await self.services[0].stats.remote())["version"]
+        n, k = self.cfg.env.eval_episodes, len(self.evaluators)
+        quotas = [n // k + (i < n % k) for i in range(k)]
+        await self.lockstep(self.evaluators, quotas, greedy=self.cfg.env.eval_greedy)
+        drained = await asyncio.gather(*(w.episode_results.remote() for w in self.evaluators))
+        results = [r for rs in drained for r in rs]
+        per_task: dict[str, list[bool]] = {}
+        for r in results:
+            per_task.setdefault(r.task, []).append(r.success)
+        rate = sum(r.success for r in results) / max(len(results), 1)
+        return {
+            "accuracy": rate,  # the name the report and learning curve read
+            "success_rate": rate,
+            "n": len(results),
+            "episode_len": sum(r.length for r in results) / max(len(results), 1),
+            "version": version,
+            "time_s": time.time() - start,
+            "per_task": {task: sum(s) / len(s) for task, s in per_task.items()},
+        }
+
+    async def episode_feedback(self, step: int) -> dict[str, float]:
+        """Drain the workers' finished episodes into DWR and the curriculum, push the new task
+        weights to the workers' samplers, and return the rollout success rate of those episodes."""
+        choice = self.choice
+        drained = await asyncio.gather(*(w.episode_results.remote() for w in self.workers))
+        results = [r for rs in drained for r in rs]
+        for r in results:
+            choice.record(r.task, r.success)
+        opened = choice.curriculum.advance(step) if choice.curriculum is not None else None
+        if opened is not None or (self.cfg.rollout.dwr and results):
+            weights = choice.weights()
+            for worker in self.workers:
+                worker.__ray_call__.remote(set_task_weights, weights)
+        out = {"rollout/episodes": float(len(results))}
+        if results:
+            out["rollout/success_rate"] = sum(r.success for r in results) / len(results)
+        if choice.curriculum is not None:
+            out["curriculum/stage"] = float(choice.curriculum.stage)
+        return out
+
+    def finish(self, tally: RunTally, loop: dict, rl_wall: float) -> dict:
+        """Evaluate again; the eval, rollout, perf, staleness, replay, dwr, curriculum and samples
+        sections."""
+        end = asyncio.run(self.evaluate())
+        workers = ray.get([w.stats.remote() for w in self.workers])
+        trainers = ray.get([r.stats.remote() for r in self.trainer])
+        services = ray.get([s.stats.remote() for s in self.services])
+        buffer = ray.get(self.replay_buffer.stats.remote())
+        trained = sum(t["trained"] for t in trainers)
+        generated = sum(w["env_steps"] for w in workers)
+        dropped = {
+            "dropped_stale": sum(t["dropped_stale"] for t in trainers)
+            + buffer["dropped_stale_steps"],
+            "dropped_overflow": buffer["dropped_overflow_steps"],
+            "dropped_error": sum(w["dropped_error_steps"] for w in workers),
+        }
+        in_flight = {
+            "resident": buffer["resident_steps"],
+            "prefetched": loop["prefetched"],
+            "open": sum(w["open_steps"] for w in workers),
+        }
+        tasks: dict[str, dict[str, float]] = {}
+        for w in workers:
+            for task, counts in w["tasks"].items():
+                mine = tasks.setdefault(task, {"episodes": 0, "successes": 0})
+                mine["episodes"] += counts["episodes"]
+                mine["successes"] += counts["successes"]
+        episodes = sum(t["episodes"] for t in tasks.values())
+        occupancy = loop["occupancy"]
+        requests = sum(s["requests"] for s in services)
+        return {
+            "eval": {"end": end},
+            "rollout": {
+                "env_steps_per_s": trained / rl_wall,
+                "generated_env_steps_per_s": generated / rl_wall,
+                "episodes": episodes,
+                "success_rate": {
+                    "overall": sum(t["successes"] for t in tasks.values()) / max(episodes, 1),
+                    "per_task": {
+                        k: t["successes"] / max(t["episodes"], 1) for k, t in tasks.items()
+                    },
+                },
+                "env_errors": sum(w["env_errors"] for w in workers),
+                "last_errors": [e for w in workers for e in w["last_errors"]][-5:],
+                "workers": len(workers),
+            },
+            "perf": {
+                "busy": {
+                    "rollout_workers": sum(w["busy_s"] for w in workers) / len(workers) / rl_wall
+                },
+                "inference": {
+                    "replicas": len(services),
+                    "requests": requests,
+                    "requests_per_replica": [s["requests"] for s in services],
+                    "versions": [s["version"] for s in services],
+                    "forwards": sum(s["forwards"] for s in services),
+                    "mean_batch": requests / max(sum(s["forwards"] for s in services), 1),
+                    **{k: services[0][k] for k in ("latency_ms_p50", "latency_ms_p95")},
+                },
+            },
+            "staleness": tally.staleness() | {"max_staleness": self.cfg.max_staleness},
+            "replay": {
+                "capacity_steps": self.cfg.replay.capacity_steps,
+                "occupancy_mean": sum(occupancy) / max(len(occupancy), 1),
+                "occupancy_end": buffer["occupancy"],
+                "reader_wait_s": buffer["reader_wait_s"],
+            },
+            "dwr": {"enabled": self.cfg.rollout.dwr, "weights": self.choice.dwr.weights()},
+            "curriculum": self.choice.summary(),
+            "samples": {
+                "unit": "env_steps",
+                "generated": generated,
+                "trained": trained,
+                **dropped,
+                "in_flight": sum(in_flight.values()),
+                **{f"in_flight_{k}": v for k, v in in_flight.items()},
+                "accounted": generated == trained + sum(dropped.values()) + sum(in_flight.values()),
+            },
+        }
+
+
+class TaskChoice:
+    """How each new training episode's task is drawn: DWR's weights (uniform when DWR is off),
+    with the stages the curriculum has not opened yet masked out."""
+
+    def __init__(self, cfg: Config, tasks: tuple[str, ...]):
+        r = cfg.rollout
+        self.use_dwr = r.dwr
+        self.dwr = DynamicWeightedResampler(
+            tasks, window=r.dwr_window, alpha=r.dwr_alpha, seed=cfg.run.seed
+        )
+        self.curriculum = (
+            Curriculum(
+                tasks,
+                promote_at=r.curriculum_promote_at,
+                window=r.curriculum_window,
+                max_steps_per_stage=r.curriculum_max_steps,
+                review=r.curriculum_review,
+            )
+            if r.curriculum
+            else None
+        )
+
+    def record(self, task: str, success: bool) -> None:
+        """One finished training episode."""
+        self.dwr.record(task, success)
+        if self.curriculum is not None:
+            self.curriculum.record(task, success)
+
+    def weights(self) -> list[float]:
+        """The task weights the workers draw with, in the env's task order."""
+        base = self.dwr.weights() if self.use_dwr else dict.fromkeys(self.dwr.tasks, 1.0)
+        if self.curriculum is not None:
+            return self.curriculum.apply(base)
+        total = sum(base.values())
+        return [w / total for w in base.values()]
+
+    def summary(self) -> dict:
+        """The curriculum's section of summary.json."""
+        c = self.curriculum
+        if c is None:
+            return {"enabled": False}
+        return {
+            "enabled": True,
+            "stages": list(c.stages),
+            "stage": c.current,
+            "opened_at_step": dict(zip(c.stages, c.opened_at, strict=False)),
+            "stage_success_rate": c.success_rate(),
+        }

@@ -1,0 +1,162 @@
+"""The LLM workload (LlamaRL): generator replicas sample completion groups, rewarder replicas
+score them, the trainer group learns from them with an off-policy-corrected loss."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import ray
+
+from relayrl.config import Config
+from relayrl.executors.generator import Generator
+from relayrl.executors.rewarder import Rewarder
+from relayrl.executors.trainer import Trainer
+from relayrl.launch import Group, Placement, form_trainer_group, publish_weights
+from relayrl.observability.metrics import MetricsLog, RunTally
+
+
+class LLMWorkload:
+    """Roles ``trainer`` (ranks), ``generator`` and ``rewarder`` (replicas)."""
+
+    def __init__(self, cfg: Config, make_env: Any = None):
+        if make_env is not None:
+            raise ValueError("make_env is for workload=embodied; the LLM workload has no env")
+        self.cfg = cfg
+        self.placement: Placement | None = None
+        self.trainer = Group("trainer", [])
+        self.generators = Group("generator", [])
+        self.rewarders = Group("rewarder", [])
+        self.legend: dict[str, str] = {}  # learning-curve labels: the plot's defaults
+
+    def place(self) -> None:
+        """Create the trainer ranks and the generator and rewarder replicas, and form the
+        trainer's process group."""
+        cfg = self.cfg
+        self.placement = Placement(
+            cfg,
+            {
+                "trainer": (cfg.trainer.ranks, cfg.trainer.resources),
+                "generator": (cfg.generator.replicas, cfg.generator.resources),
+                "rewarder": (cfg.rewarder.replicas, cfg.rewarder.resources),
+            },
+        )
+        at, ranks = self.placement.options, cfg.trainer.ranks
+        self.trainer = Group(
+            "trainer",
+            [
+                ray.remote(Trainer).options(**at("trainer", r)).remote(cfg, rank=r, world=ranks)
+                for r in range(ranks)
+            ],
+        )
+        self.generators = Group(
+            "generator",
+            [
+                ray.remote(Generator).options(**at("generator", i)).remote(cfg, replica=i)
+                for i in range(cfg.generator.replicas)
+            ],
+        )
+        self.rewarders = Group(
+            "rewarder",
+            [
+                ray.remote(Rewarder).options(**at("rewarder", i)).remote(cfg)
+                for i in range(cfg.rewarder.replicas)
+            ],
+        )
+        form_trainer_group(self.trainer)
+
+    def groups(self) -> list[Group]:
+        """Trainer ranks, generator replicas, rewarder replicas."""
+        return [self.trainer, self.generators, self.rewarders]
+
+    def traced(self) -> dict[str, Any]:
+        """Executors that record spans, by name."""
+        return {name: a for g in self.groups() for name, a in g.named().items()}
+
+    def receivers(self) -> dict[str, Any]:
+        """Every generator replica receives the weights."""
+        return self.generators.named()
+
+    def closing(self) -> list[Any]:
+        """Close the trainer ranks' publishers and the rewarders' scoring processes."""
+        return [r.close_sync.remote() for r in self.trainer] + [
+            r.close.remote() for r in self.rewarders
+        ]
+
+    def prepare(self, log: MetricsLog) -> dict:
+        """Warm start (publishing version 0 to every replica), then evaluate held-out."""
+        warm = self._warm_start()
+        start = asyncio.run(self.evaluate())
+        log.log(0, {**{f"eval/{k}": v for k, v in start.items()}, **warm})
+        return {"warm_start": warm, "eval": {"start": start}}
+
+    async def evaluate(self, split: str = "heldout") -> dict:
+        """Greedy accuracy of generator replica 0's policy on a split, and what it cost."""
+        start = time.time()
+        generator, rewarder = self.generators[0], self.rewarders[0]
+        score_ref, _ = rewarder.score.options(num_returns=2).remote(
+            generator.evaluate.remote(split)
+        )
+        score = await score_ref
+        version = (await generator.stats.remote())["version"]
+        return {
+            "accuracy": score["reward_mean"],
+            "n": score["samples"],
+            "version": version,
+            "time_s": time.time() - start,
+        }
+
+    def finish(self, tally: RunTally, loop: dict, rl_wall: float) -> dict:
+        """Evaluate held-out again; the eval, perf, staleness and samples sections."""
+        end = asyncio.run(self.evaluate())
+        stats = ray.get([g.stats.remote() for g in self.generators])
+        per_step = {
+            name: sum(times) / tally.steps
+            for name, times in (
+                ("generate", tally.gen_s),
+                ("score", tally.score_s),
+                ("train", tally.train_s),
+            )
+        }
+        in_flight = loop["in_flight"]
+        return {
+            "eval": {"end": end},
+            "generation": {
+                "replicas": {
+                    name: {k: s[k] for k in ("version", "tokens_generated", "pending")}
+                    for name, s in zip(self.generators.names, stats, strict=True)
+                }
+            },
+            "perf": {
+                "phase_s_per_step": per_step,
+                "overlap_bound": sum(per_step.values()) / max(per_step.values()),
+            },
+            "staleness": tally.staleness() | {"max_staleness": self.cfg.max_staleness},
+            "samples": {
+                "generated": tally.generated,
+                "trained": tally.trained,
+                "dropped_stale": tally.dropped_stale,
+                "in_flight": in_flight,
+                "accounted": tally.generated == tally.trained + tally.dropped_stale + in_flight,
+                "unfinished_partials": sum(s["pending"] for s in stats),
+                "score_errors": tally.score_errors,
+                "score_timeouts": tally.score_timeouts,
+            },
+        }
+
+    def _warm_start(self) -> dict:
+        """Supervised slices until the probe accuracy reaches the target; publishes version 0."""
+        ws, steps, probe = self.cfg.warm_start, 0, 0.0
+        metrics: dict = {}
+        while steps < ws.max_steps:
+            chunk = min(ws.check_every, ws.max_steps - steps)
+            metrics = ray.get([rank.warm_start.remote(chunk) for rank in self.trainer])[0]
+            steps += chunk
+            if ws.target_accuracy > 0:
+                ray.get(publish_weights(self.trainer, self.receivers()))
+                probe = asyncio.run(self.evaluate("probe"))["accuracy"]
+                if probe >= ws.target_accuracy:
+                    break
+        ray.get(publish_weights(self.trainer, self.receivers()))
+        return metrics | {"warm_start/steps": steps, "warm_start/probe_accuracy": probe}
