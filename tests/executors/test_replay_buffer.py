@@ -10,7 +10,7 @@ import threading
 import numpy as np
 import pytest
 
-from relayrl.executors.replay_buffer import Prefetcher, ReplayBuffer, ReplayBufferClosed
+from relayrl.executors.replay_buffer import ReplayBuffer, ReplayBufferClosed
 from relayrl.types import Segment
 
 
@@ -172,39 +172,3 @@ def test_bad_arguments_are_named():
         ReplayBuffer(0, max_staleness=None)
     with pytest.raises(ValueError, match=r"min_steps must be in \[1, capacity_steps=5\], got 6"):
         ReplayBuffer(5, max_staleness=None).get(6, 0)
-
-
-def test_prefetcher_fetches_the_next_item_while_the_consumer_works():
-    started = [threading.Event() for _ in range(4)]
-    count = iter(range(4))
-
-    def fetch() -> int:
-        i = next(count)
-        started[i].set()
-        return i
-
-    with Prefetcher(fetch) as prefetcher:
-        for i in range(3):
-            assert prefetcher.next(timeout_s=10) == i
-            # Fetch i + 1 runs during the "training" on item i, before the next call to next().
-            assert started[i + 1].wait(10)
-        assert prefetcher.fetches == 4
-
-
-def test_prefetcher_raises_a_fetch_error_in_next_and_carries_on():
-    calls = iter(range(3))
-
-    def fetch() -> int:
-        i = next(calls)
-        if i == 1:
-            raise ValueError("fetch failed")
-        return i
-
-    prefetcher = Prefetcher(fetch)
-    assert prefetcher.next(timeout_s=10) == 0
-    with pytest.raises(ValueError, match="fetch failed"):
-        prefetcher.next(timeout_s=10)
-    assert prefetcher.next(timeout_s=10) == 2
-    prefetcher.close()
-    with pytest.raises(RuntimeError, match="after close"):
-        prefetcher.next()

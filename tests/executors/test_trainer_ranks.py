@@ -111,13 +111,11 @@ def test_blocks_are_contiguous_in_rank_order_and_differ_by_at_most_one():
     assert [share(7, rank, 3) for rank in range(3)] == [slice(0, 3), slice(3, 5), slice(5, 7)]
 
 
-def test_rank_arguments_are_checked_and_a_rank_fetches_no_super_batch_alone():
+def test_rank_arguments_are_checked():
     with pytest.raises(ValueError, match="rank must be in"):
         Trainer(tiny_config(), rank=2, world=2)
     with pytest.raises(RuntimeError, match="no group to join"):
         Trainer(tiny_config()).join_group("127.0.0.1", 1)
-    with pytest.raises(RuntimeError, match="same super-batch"):
-        VLATrainer(vla_config(), TINY_VLA, rank=0, world=2).attach_buffer(None, 8)
 
 
 def test_two_llm_ranks_warm_start_and_step_as_one_trainer(ray_session, tmp_path):

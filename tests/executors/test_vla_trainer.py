@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import numpy as np
-import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -159,8 +158,3 @@ def test_state_dict_restores_and_the_checkpoint_rebuilds_the_policy(tmp_path):
     rebuilt.load_state_dict(load_file(f"{path}/model.safetensors"))
     for key, value in trainer.policy.state_dict().items():
         assert torch.equal(rebuilt.state_dict()[key], value)
-
-
-def test_train_next_needs_a_buffer():
-    with pytest.raises(RuntimeError, match="attach_buffer"):
-        make_trainer().train_next()

@@ -6,8 +6,8 @@ than ``max_staleness`` versions behind it. Every env step is accounted for:
 ``put == taken + dropped_stale + dropped_overflow + resident``.
 
 As a Ray actor it must be threaded (``max_concurrency`` > 1), so that a ``get`` waiting for data
-never blocks the writers; the buffer is thread-safe for that reason. ``Prefetcher`` lives in the
-trainer process and keeps the next super-batch coming while the current one trains.
+never blocks the writers; the buffer is thread-safe for that reason. The controller asks for the
+next super-batch while the current one trains, so fetching overlaps training.
 """
 
 from __future__ import annotations
@@ -15,9 +15,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
-from concurrent.futures import Future
-from typing import Generic, TypeVar
+from typing import TypeVar
 
 from relayrl.types import Segment
 
@@ -163,61 +161,3 @@ class ReplayBuffer:
     def _count(self, what: str, segment: Segment) -> None:
         self._counts[f"{what}_steps"] += len(segment)
         self._counts[f"{what}_segments"] += 1
-
-
-class Prefetcher(Generic[T]):
-    """Calls ``fetch`` in a background thread so that the next item is ready when asked for.
-
-    The first fetch starts at construction; each ``next`` returns the fetched item and starts the
-    following fetch, so fetching overlaps the caller's work on the item. At most one fetch runs at
-    a time. An exception raised by ``fetch`` is raised by the ``next`` that would have returned its
-    item (and a new fetch starts, so the caller may retry).
-    """
-
-    def __init__(self, fetch: Callable[[], T], *, name: str = "prefetch"):
-        self._fetch = fetch
-        self._name = name
-        self._closed = False
-        self.wait_s = 0.0  # seconds ``next`` spent waiting: fetching was the bottleneck
-        self.fetches = 0
-        self._future = self._start()
-
-    def next(self, timeout_s: float | None = None) -> T:
-        """The prefetched item (waiting up to ``timeout_s`` for it); starts the next fetch."""
-        if self._closed:
-            raise RuntimeError(f"{self._name}: next() after close()")
-        start = time.monotonic()
-        future = self._future
-        try:
-            return future.result(timeout_s)
-        finally:
-            self.wait_s += time.monotonic() - start
-            if future.done():
-                self._future = self._start()
-
-    def close(self) -> None:
-        """Stop prefetching. A fetch already running is abandoned (its thread is a daemon; close
-        the source, e.g. the replay buffer, to end a fetch that would block forever)."""
-        self._closed = True
-        self._future.cancel()
-
-    def __enter__(self) -> Prefetcher[T]:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def _start(self) -> Future:
-        future: Future = Future()
-
-        def work() -> None:
-            if not future.set_running_or_notify_cancel():
-                return
-            try:
-                future.set_result(self._fetch())
-            except BaseException as err:  # handed to the consumer's next()
-                future.set_exception(err)
-
-        self.fetches += 1
-        threading.Thread(target=work, name=self._name, daemon=True).start()
-        return future

@@ -15,9 +15,6 @@ lockstep loop in sync mode) and
    every action token of a step carrying the step's advantage;
 5. bumps the policy version once.
 
-In async mode the trainer pulls super-batches itself: ``attach_buffer`` starts a ``Prefetcher``
-that fetches the next super-batch from the replay-buffer actor while the current one trains.
-
 As one rank of a group (``trainer.ranks``, see ``trainer_core``), every rank is given the whole
 super-batch and drops the same stale segments. Its books (``StepResult`` counts, lags) are its
 block of the received segments, so that ``StepResult.merge`` of the ranks gives one trainer's
@@ -38,7 +35,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import ray
 import torch
 from safetensors.torch import save_file
 from torch import Tensor
@@ -47,7 +43,6 @@ from relayrl import parallel
 from relayrl.algorithms.advantages import gae
 from relayrl.algorithms.normalization import global_normalize
 from relayrl.config import Config
-from relayrl.executors.replay_buffer import Prefetcher, ReplayBufferClosed
 from relayrl.executors.trainer_core import TrainerCore
 from relayrl.models.vla import VLAConfig, VLAPolicy
 from relayrl.types import Segment, StepResult
@@ -146,7 +141,6 @@ class VLATrainer(TrainerCore):
         self.policy = VLAPolicy(vla).train()
         super().__init__(cfg, self.policy, adam_eps=1e-5, rank=rank, world=world)
         self.generator = torch.Generator().manual_seed(cfg.run.seed + 5)
-        self._prefetch: Prefetcher | None = None
 
     def advantages(self, segments: list[Segment]) -> dict[str, Any]:
         """Per-step training samples of ``segments``, in segment-then-step order: images, steps,
@@ -288,40 +282,6 @@ class VLATrainer(TrainerCore):
                     totals[key] = totals.get(key, 0.0) + value
                 updates += 1
         return {key: value / updates for key, value in totals.items()}
-
-    def attach_buffer(self, buffer: Any, batch_steps: int) -> None:
-        """Start prefetching super-batches of ``batch_steps`` env steps from a replay-buffer actor;
-        the buffer filters staleness against the trainer's version when the fetch starts."""
-        if self.world > 1:
-            raise RuntimeError(
-                "attach_buffer() fetches for one trainer, but every rank of a group must train on "
-                "the same super-batch: fetch it once and pass it to every rank's train_step()"
-            )
-        self._prefetch = Prefetcher(
-            lambda: ray.get(buffer.get.remote(batch_steps, self.version)), name="replay-prefetch"
-        )
-
-    def train_next(self) -> StepResult:
-        """Train on the prefetched super-batch (waiting for it if need be)."""
-        if self._prefetch is None:
-            raise RuntimeError("call attach_buffer() before train_next()")
-        start = time.time()
-        segments = self._prefetch.next()
-        self.tracer.wait("replay", start, time.time(), self.version)
-        return self.train_step(segments)
-
-    def stop_prefetch(self, timeout_s: float = 60.0) -> int:
-        """Stop prefetching once the buffer is closed; returns the env steps of a super-batch
-        that was taken from the buffer but will never be trained (0 if none was)."""
-        if self._prefetch is None:
-            return 0
-        try:
-            segments = self._prefetch.next(timeout_s)
-        except ReplayBufferClosed:
-            segments = []
-        self._prefetch.close()
-        self._prefetch = None
-        return sum(len(s) for s in segments)
 
     def save_pretrained(self, path: str) -> str:
         """Save ``model.safetensors`` and ``vla_config.json`` (``VLAPolicy(VLAConfig(**json))``
