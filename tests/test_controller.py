@@ -195,3 +195,24 @@ def test_sync_replicas_train_on_both_batches_each_step(ray_session, tmp_path):
     per_step = 2 * cfg.generator.prompts_per_step * cfg.generator.group_size
     assert samples["generated"] == samples["trained"] == 3 * per_step
     assert summary["staleness"]["max"] == 0 and samples["accounted"]
+
+
+def test_two_trainer_ranks_with_two_replicas_learn_and_keep_the_books(ray_session, tmp_path):
+    cfg, summary = _run(
+        tmp_path, "mode=async", "max_staleness=1", "trainer.ranks=2", "generator.replicas=2"
+    )
+    assert summary["status"] == "finished" and summary["samples"]["accounted"]
+    assert summary["staleness"]["max"] <= 1 and summary["updates"] >= 1
+    roles = summary["topology"]["roles"]
+    assert [a["name"] for a in roles["trainer"]] == ["trainer_0", "trainer_1"]
+    sent = summary["sync"]["payload_bytes_per_rank"]
+    assert len(sent) == 2 and max(sent) < 0.6 * sum(sent)
+    replicas = summary["generation"]["replicas"]
+    assert all(r["version"] == summary["updates"] for r in replicas.values())
+    warm = Trainer(cfg)  # the same seeded warm start, before any RL step
+    warm.warm_start(40)
+    before_rl = warm.model.state_dict()
+    trained = load_file(tmp_path / "run" / "checkpoint" / "model.safetensors")
+    assert set(trained) <= set(before_rl)  # a tied lm_head is saved once, as the embedding
+    moved = max((t - before_rl[name]).abs().max().item() for name, t in trained.items())
+    assert moved > 1e-3, "RL steps did not change the gathered parameters"

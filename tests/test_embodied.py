@@ -7,6 +7,7 @@ import functools
 import json
 import sys
 
+import pytest
 import torch
 from conftest import shm_files, tiny_config
 from safetensors.torch import load_file
@@ -145,6 +146,17 @@ def test_inference_replicas_each_serve_their_workers_and_every_version(ray_sessi
     assert summary["sync"]["publishes"] == summary["updates"] + 1
     names = [a["name"] for a in summary["topology"]["roles"]["inference_service"]]
     assert names == ["inference_service_0", "inference_service_1"]
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_two_trainer_ranks_train_every_step_and_keep_the_books(ray_session, tmp_path, mode):
+    cfg = tiny_config(*SMALL, f"mode={mode}", "trainer.ranks=2", "inference.replicas=2")
+    summary = train(cfg, tmp_path / "run")
+    samples = check_books(summary)
+    assert summary["updates"] == summary["steps"] == 3
+    assert sum(summary["staleness"]["hist"].values()) == samples["trained"]
+    assert summary["perf"]["inference"]["versions"] == [3, 3]
+    assert changed_parameters(summary, cfg.run.seed)
 
 
 def test_the_blind_control_sees_one_constant_instruction():

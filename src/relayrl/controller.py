@@ -348,6 +348,7 @@ def _sync_summary(transport: str, trainer: list[dict], receivers: list[dict]) ->
         "stall_mean_s": sum(stall) / max(len(stall), 1),
         "receive_mean_s": sum(receive) / max(len(receive), 1),
         "lost": {name: why for t in trainer for name, why in t["lost"].items()},
+        "payload_bytes_per_rank": [t["payload_bytes"] for t in trainer],
     }
 
 

@@ -76,7 +76,12 @@ def test_a_step_changes_parameters_and_bumps_the_version():
     trainer.open_sync("shm", ["generator"])
     ticket = trainer.publish()
     assert ticket.version == 1 and ticket.bytes >= sum(p.numel() * 4 for p in before)
-    assert trainer.sync_stats() == {"stall_s": [ticket.stall_s], "lost": {}}
+    payload = sum(t.numel() * t.element_size() for t in trainer.model.state_dict().values())
+    assert trainer.sync_stats() == {
+        "stall_s": [ticket.stall_s],
+        "lost": {},
+        "payload_bytes": payload,
+    }
     trainer.sync.publisher.close()
 
 

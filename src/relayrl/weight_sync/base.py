@@ -147,6 +147,7 @@ class TrainerSide:
         self.world = world
         self.publisher: Any = None
         self.stalls: list[float] = []
+        self.payload_bytes = 0  # bytes of tensor data this rank sends per publish
 
     def open(
         self, transport: Any, model: torch.nn.Module, receivers: list[str], host: str
@@ -161,6 +162,7 @@ class TrainerSide:
         options = {"host": host, "streams": self.streams} if dist else {}
         state = model.state_dict()
         tensors, rows = self._share(state)
+        self.payload_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
         self.publisher = transport.Publisher(
             tensors,
             receivers,
@@ -200,9 +202,10 @@ class TrainerSide:
         return waited
 
     def stats(self) -> dict:
-        """Trainer-side stall of every publish, in order, and the receivers lost."""
+        """Trainer-side stall of every publish, in order, the receivers lost, and the bytes of
+        tensor data this rank sends per publish."""
         lost = self.publisher.finish() if self.publisher is not None else {}
-        return {"stall_s": list(self.stalls), "lost": lost}
+        return {"stall_s": list(self.stalls), "lost": lost, "payload_bytes": self.payload_bytes}
 
     def close(self) -> None:
         """Close the publisher: shm removes its files, which would outlive a killed process."""

@@ -1,0 +1,63 @@
+"""Role groups through Ray: a sharded trainer group publishing straight to generator replicas."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import ray
+import torch
+from conftest import tiny_config
+from safetensors.torch import load_file
+
+from relayrl.launch import connect_weight_sync, publish_weights, stop
+from relayrl.workloads import LLMWorkload
+
+
+def _served(generator) -> dict[str, torch.Tensor]:
+    """The weights a generator replica serves now, copied out of its actor."""
+    return ray.get(
+        generator.__ray_call__.remote(
+            lambda g: {k: v.detach().clone() for k, v in g.model.state_dict().items()}
+        )
+    )
+
+
+@pytest.mark.parametrize("transport", ["shm", "dist"])
+def test_each_rank_sends_its_half_and_every_replica_serves_the_full_weights(
+    ray_session, tmp_path, transport
+):
+    cfg = tiny_config(
+        "trainer.ranks=2",
+        "generator.replicas=2",
+        f"sync.transport={transport}",
+        "generator.prompts_per_step=4",
+        "generator.group_size=4",
+        "task.digits=1",
+        "task.heldout_size=20",
+        "trainer.lr=1e-2",
+    )
+    w = LLMWorkload(cfg)
+    try:
+        w.place()
+        assert connect_weight_sync(cfg, w.trainer, w.receivers()) == transport
+        ray.get(publish_weights(w.trainer, w.receivers()))
+        for step in range(2):
+            _, batch = w.generators[step % 2].generate.options(num_returns=2).remote()
+            _, scored = ray.get(w.rewarders[0].score.options(num_returns=2).remote(batch))
+            scored.rewards = np.arange(len(scored), dtype=np.float32) % 2  # a signal in each group
+            ref = ray.put(scored)
+            results = ray.get([rank.train_step.remote(ref) for rank in w.trainer])
+            assert all(r.version == step + 1 for r in results)
+            assert ray.get(publish_weights(w.trainer, w.receivers())) == [step + 1] * 2
+        ray.get([rank.save_pretrained.remote(str(tmp_path / "ckpt")) for rank in w.trainer])
+        full = load_file(tmp_path / "ckpt" / "model.safetensors")
+        for generator in w.generators:
+            served = _served(generator)
+            assert all(torch.equal(served[name], full[name]) for name in full)
+        stats = ray.get([rank.sync_stats.remote() for rank in w.trainer])
+        sent = [s["payload_bytes"] for s in stats]
+        model = sum(t.numel() * t.element_size() for t in _served(w.generators[0]).values())
+        assert sum(sent) == model and max(sent) < 0.6 * model
+        assert all(s["lost"] == {} for s in stats)
+    finally:
+        stop(w.groups(), w.placement, w.closing())
