@@ -216,3 +216,16 @@ def test_two_trainer_ranks_with_two_replicas_learn_and_keep_the_books(ray_sessio
     assert set(trained) <= set(before_rl)  # a tied lm_head is saved once, as the embedding
     moved = max((t - before_rl[name]).abs().max().item() for name, t in trained.items())
     assert moved > 1e-3, "RL steps did not change the gathered parameters"
+
+
+def test_a_placement_the_cluster_cannot_satisfy_fails_the_run_and_says_why(
+    ray_session, tmp_path, monkeypatch
+):
+    monkeypatch.setattr("relayrl.launch.PLACEMENT_TIMEOUT_S", 2)
+    cfg = tiny_config(*SMALL, "placement=distributed", "trainer.resources={gpu_node: 1}")
+    with pytest.raises(RuntimeError, match="could not place"):
+        train(cfg, tmp_path / "run")
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "failed" and "gpu_node" in summary["error"]
+    # the run released what it had placed: a next run on the same Ray instance still places
+    assert train(tiny_config(*SMALL, "steps=1"), tmp_path / "next")["status"] == "finished"

@@ -39,7 +39,7 @@ from relayrl.launch import (
     stop,
     topology,
 )
-from relayrl.observability.metrics import MetricsLog, RunTally
+from relayrl.observability.metrics import MetricsLog, RunTally, say
 from relayrl.observability.plots import plot_learning_curve
 from relayrl.observability.report import write_report
 from relayrl.observability.tracing import busy_seconds, collect_spans, save_trace
@@ -226,7 +226,6 @@ def train(cfg: Config, run_dir: Path, make_env: Callable[[int], EmbodiedEnv] | N
     save_config(cfg, run_dir / "config.yaml")
     head = {"workload": cfg.workload, "mode": cfg.mode, "run_dir": str(run_dir)}
     _write_summary(run_dir, head | {"status": "running", "steps": 0})
-    start_ray(cfg)
     workload: Workload = WORKLOADS[cfg.workload](cfg, make_env)
     log = MetricsLog(
         run_dir,
@@ -238,10 +237,15 @@ def train(cfg: Config, run_dir: Path, make_env: Callable[[int], EmbodiedEnv] | N
     tally = RunTally(cfg.steps, cfg.log.progress)
     clock = {"rl_start": time.time(), "rl_end": time.time()}
     try:
+        say("starting Ray" if cfg.ray.address is None else f"joining Ray at {cfg.ray.address}")
+        start_ray(cfg)
+        say(f"placing executors ({cfg.placement})")
         workload.place()
         placed = topology(workload.groups(), cfg.placement)
+        say(f"placed on {placed['nodes']} node(s); connecting weight sync")
         transport = connect_weight_sync(cfg, workload.trainer, workload.receivers())
         sections = workload.prepare(log)
+        say(f"RL: {cfg.steps} steps, mode={cfg.mode}")
         tally.start()
         clock["rl_start"] = time.time()
         loop = asyncio.run(LOOPS[cfg.workload, cfg.mode](cfg, workload, tally, log))
@@ -286,7 +290,8 @@ def train(cfg: Config, run_dir: Path, make_env: Callable[[int], EmbodiedEnv] | N
         raise
     finally:
         log.close()
-        stop(workload.groups(), workload.placement, workload.closing())
+        if ray.is_initialized():
+            stop(workload.groups(), workload.placement, workload.closing())
     rl_start, rl_end = clock["rl_start"], clock["rl_end"]
     busy = {name: busy_seconds(b, rl_start, rl_end) / rl_wall for name, (b, _) in spans.items()}
     trace_start = time.time()

@@ -7,6 +7,7 @@ Metric names are stable namespaces: ``loss/*``, ``rollout/*``, ``perf/*``, ``sta
 from __future__ import annotations
 
 import json
+import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -15,6 +16,11 @@ from tqdm import tqdm
 
 from relayrl.observability.tracing import Tracer
 from relayrl.types import StepResult
+
+
+def say(message: str) -> None:
+    """One start-up phase on stderr, so that a run is never silent for minutes."""
+    print(f"relayrl: {message}", file=sys.stderr, flush=True)
 
 
 class MetricsLog:

@@ -37,7 +37,7 @@ from relayrl.launch import (
     vla_config,
 )
 from relayrl.models.vla import VLAPolicy
-from relayrl.observability.metrics import MetricsLog, RunTally
+from relayrl.observability.metrics import MetricsLog, RunTally, say
 from relayrl.types import Segment
 
 
@@ -192,6 +192,7 @@ class EmbodiedWorkload:
                 )
             weights = [float(t in cfg.env.eval_tasks) for t in self.tasks]
             ray.get([w.__ray_call__.remote(set_task_weights, weights) for w in self.evaluators])
+        say(f"evaluating {cfg.env.eval_episodes} episodes before RL")
         start = asyncio.run(self.evaluate())
         log.log(0, {f"eval/{k}": v for k, v in start.items() if k != "per_task"})
         weights = self.choice.weights()

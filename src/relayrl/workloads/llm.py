@@ -14,7 +14,7 @@ from relayrl.executors.generator import Generator
 from relayrl.executors.rewarder import Rewarder
 from relayrl.executors.trainer import Trainer
 from relayrl.launch import Group, Placement, form_trainer_group, publish_weights
-from relayrl.observability.metrics import MetricsLog, RunTally
+from relayrl.observability.metrics import MetricsLog, RunTally, say
 
 
 class LLMWorkload:
@@ -87,6 +87,7 @@ class LLMWorkload:
     def prepare(self, log: MetricsLog) -> dict:
         """Warm start (publishing version 0 to every replica), then evaluate held-out."""
         warm = self._warm_start()
+        say("evaluating held-out before RL")
         start = asyncio.run(self.evaluate())
         log.log(0, {**{f"eval/{k}": v for k, v in start.items()}, **warm})
         return {"warm_start": warm, "eval": {"start": start}}
@@ -156,7 +157,13 @@ class LLMWorkload:
             if ws.target_accuracy > 0:
                 ray.get(publish_weights(self.trainer, self.receivers()))
                 probe = asyncio.run(self.evaluate("probe"))["accuracy"]
+                say(
+                    f"warm start {steps}/{ws.max_steps} steps: probe accuracy {probe:.3f} "
+                    f"(target {ws.target_accuracy})"
+                )
                 if probe >= ws.target_accuracy:
                     break
+            else:
+                say(f"warm start {steps}/{ws.max_steps} steps")
         ray.get(publish_weights(self.trainer, self.receivers()))
         return metrics | {"warm_start/steps": steps, "warm_start/probe_accuracy": probe}
