@@ -15,7 +15,11 @@ Aggregation is a token-mean over every valid token in the batch: sum over masked
 the number of masked tokens (DAPO's token-level mean). DeepSeekMath's GRPO instead averages within
 each sequence first, and Dr. GRPO divides by a constant; we use the token-mean so that long and
 short responses weigh each token equally. An all-zero mask gives a zero loss still connected to
-``logp``, so backward() works on a batch with nothing to learn from.
+``logp``, so backward() works on a batch with nothing to learn from. Padding may hold anything,
+nan and inf included, in any input: it reaches neither the loss nor the gradient.
+
+The loss has the dtype of the tensor inputs (bf16 in, bf16 out; mixed dtypes promote as torch
+does); the python-scalar keyword arguments never promote it to float32.
 
 ``metrics`` holds python floats with unprefixed keys (the trainer adds ``loss/``):
 ``ratio_mean`` and ``ratio_max`` of r = pi/mu over valid tokens, and ``clip_frac``, the fraction of
@@ -167,7 +171,8 @@ def gipo_loss(
         raise ValueError(f"neg_ratio must be > 0, got neg_ratio={neg_ratio}")
     mask, ratio, advantages = _prepare(logp, mu_logp, advantages, mask)
     log_ratio = torch.where(mask, logp - mu_logp.detach(), 0.0)
-    scale = torch.where(advantages >= 0, sigma, sigma * neg_ratio)
+    # Scalars alone would give a float32 scale, promoting a bf16 loss to float32.
+    scale = torch.where(advantages >= 0, sigma, sigma * neg_ratio).to(log_ratio.dtype)
     log_weight = -0.5 * (log_ratio.detach() / scale) ** 2
     loss = -masked_mean((log_ratio + log_weight).exp() * advantages, mask)
     return loss, _metrics(ratio, log_weight.exp() < 0.5, mask)
@@ -192,7 +197,8 @@ LOSS_OPTIONS: dict[str, dict[str, str]] = {
 def _prepare(
     logp: Tensor, mu_logp: Tensor, advantages: Tensor, mask: Tensor
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Check shapes; return the bool mask, ratio pi/mu (1 on padding) and constant advantages."""
+    """Check shapes; return the bool mask, ratio pi/mu (1 on padding) and constant advantages
+    (0 on padding)."""
     shapes = {t.shape for t in (logp, mu_logp, advantages, mask)}
     if len(shapes) != 1:
         raise ValueError(
@@ -204,7 +210,10 @@ def _prepare(
     # Padding may hold arbitrary log-probs; zeroing the log-ratio there keeps exp() finite, so no
     # inf * 0 = nan can reach the gradient.
     log_ratio = torch.where(mask, logp - mu_logp.detach(), 0.0)
-    return mask, log_ratio.exp(), advantages.detach()
+    # Likewise for advantages: aipo multiplies logp by the advantage outside any select, so a nan
+    # advantage on padding would give d loss / d logp = nan * 0 = nan there.
+    advantages = torch.where(mask, advantages.detach(), 0.0)
+    return mask, log_ratio.exp(), advantages
 
 
 def _metrics(ratio: Tensor, clip_active: Tensor, mask: Tensor) -> dict[str, float]:
