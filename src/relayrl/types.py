@@ -144,11 +144,13 @@ class StepResult:
     dropped_stale: int  # of those, samples dropped for lagging more than max_staleness
     lags: list[int]  # lags[k]: trained samples k versions old
     train_s: float  # seconds the step took
+    skipped_nonfinite: int = 0  # optimizer steps (minibatches) skipped for a nan or inf loss/norm
     metrics: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def merge(cls, results: list[StepResult]) -> StepResult:
-        """One step of a trainer group: counts add up over ranks, metrics come from rank 0."""
+        """One step of a trainer group: counts add up over ranks; metrics, and the skipped
+        optimizer steps the ranks agree on, come from rank 0."""
         first = results[0]
         width = max(len(r.lags) for r in results)
         return cls(
@@ -159,5 +161,6 @@ class StepResult:
             dropped_stale=sum(r.dropped_stale for r in results),
             lags=[sum(r.lags[k] for r in results if k < len(r.lags)) for k in range(width)],
             train_s=max(r.train_s for r in results),
+            skipped_nonfinite=first.skipped_nonfinite,
             metrics=first.metrics,
         )

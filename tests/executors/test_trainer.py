@@ -5,11 +5,15 @@ from __future__ import annotations
 import threading
 
 import numpy as np
+import pytest
 import torch
 from conftest import tiny_config
 
+from relayrl.algorithms.losses import LOSSES
 from relayrl.executors.generator import Generator
 from relayrl.executors.trainer import Trainer
+from relayrl.executors.trainer_core import TrainerCore
+from relayrl.observability.metrics import RunTally
 from relayrl.types import RolloutBatch
 
 
@@ -162,3 +166,80 @@ def test_in_place_sync_sends_the_trained_weights_from_the_trainers_memory():
     stats = trainer.sync_stats()
     assert len(stats["stall_s"]) == 2 and stats["lost"] == {}
     trainer.close_sync()
+
+
+def core_state(trainer: TrainerCore) -> dict:
+    """What a skipped step must leave bit for bit: weights, optimizer state, schedule, version."""
+    state = trainer.state_dict()
+    return {key: state[key] for key in ("model", "optimizer", "scheduler", "version")}
+
+
+def assert_bit_identical(a, b) -> None:
+    """Nested dicts and lists of tensors and plain values, equal bit for bit."""
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert_bit_identical(a[key], b[key])
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            assert_bit_identical(x, y)
+    else:
+        assert a == b
+
+
+def _nan_loss(logp, mu_logp, advantages, mask, **kwargs):
+    """A nan loss whose gradient is finite (zero): only the loss itself says it is bad."""
+    return (logp * 0.0).sum() + float("nan"), {"ratio_mean": 1.0, "ratio_max": 1.0, "clip_frac": 0}
+
+
+def _nan_mu(batch: RolloutBatch) -> RolloutBatch:
+    """A behaviour log-prob of nan on one completion token: a nan loss and nan gradients."""
+    batch.logprobs[0, 3] = np.nan
+    return batch
+
+
+@pytest.mark.parametrize("bad", ["nan_loss", "nan_mu"])
+def test_a_non_finite_step_leaves_weights_and_optimizer_state_untouched_and_is_counted(bad):
+    trainer = Trainer(tiny_config("trainer.weight_decay=0.1"))  # decay alone would move weights
+    assert trainer.train_step(_batch([0, 0])).stepped  # the optimizer now holds moments
+    before = core_state(trainer)
+    batch = _batch([1, 1])
+    if bad == "nan_loss":
+        trainer.loss_fn = _nan_loss
+    else:
+        batch = _nan_mu(batch)
+
+    result = trainer.train_step(batch)
+
+    assert not result.stepped and result.skipped_nonfinite == 1
+    assert result.version == trainer.version == 1 and result.trained == 4
+    assert not any(k.startswith("loss/") for k in result.metrics)
+    assert_bit_identical(core_state(trainer), before)
+    assert trainer.stats()["skipped_nonfinite"] == 1
+    assert all(p.grad is None for p in trainer.model.parameters())
+
+    trainer.loss_fn = LOSSES["aipo"]
+    result = trainer.train_step(_batch([1, 1]))
+    assert result.stepped and result.skipped_nonfinite == 0 and trainer.version == 2
+    assert np.isfinite(result.metrics["loss/value"])
+    after = _params(trainer)
+    assert all(torch.isfinite(p).all() for p in after)
+    assert any(not torch.equal(a, b) for a, b in zip(before["model"].values(), after, strict=False))
+    assert trainer.stats()["skipped_nonfinite"] == 1
+
+
+def test_the_run_tally_logs_the_total_of_skipped_steps():
+    trainer = Trainer(tiny_config())
+    tally = RunTally(steps=3, progress=False)
+    tally.start()
+    logged = [tally.on_trained(trainer.train_step(_batch([0])))]
+    trainer.loss_fn = _nan_loss
+    logged.append(tally.on_trained(trainer.train_step(_batch([1]))))
+    trainer.loss_fn = LOSSES["aipo"]
+    logged.append(tally.on_trained(trainer.train_step(_batch([1]))))
+    tally.close()
+    assert [out["loss/skipped_nonfinite"] for out in logged] == [0.0, 1.0, 1.0]
+    assert tally.skipped_nonfinite == 1 and tally.updates == 2 and tally.steps == 3

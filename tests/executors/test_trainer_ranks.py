@@ -20,7 +20,7 @@ import ray
 import torch
 from conftest import tiny_config
 from safetensors.torch import load_file
-from test_vla_trainer import TINY_VLA, segment
+from test_vla_trainer import TINY_VLA, nan_on_calls, segment
 
 from relayrl.config import Config, load_config
 from relayrl.executors.trainer import Trainer
@@ -83,7 +83,15 @@ def rollouts(versions: list[int], *, seed: int, zero_signal: int | None = None) 
 def assert_merged_books(results: list[StepResult], one: StepResult) -> None:
     """The ranks' results merge into the one-rank result: counts exactly, metrics closely."""
     merged = StepResult.merge(results)
-    books = ("stepped", "version", "received", "trained", "dropped_stale", "lags")
+    books = (
+        "stepped",
+        "version",
+        "received",
+        "trained",
+        "dropped_stale",
+        "lags",
+        "skipped_nonfinite",
+    )
     assert [getattr(merged, k) for k in books] == [getattr(one, k) for k in books]
     assert merged.metrics.keys() == one.metrics.keys()
     for key, value in one.metrics.items():
@@ -221,4 +229,61 @@ def test_two_vla_ranks_step_as_one_trainer(ray_session, tmp_path):
     one.save_pretrained(str(tmp_path / "one"))
     config = json.loads((tmp_path / "two" / "vla_config.json").read_text())
     assert config == json.loads((tmp_path / "one" / "vla_config.json").read_text())
+    assert_same_weights(tmp_path / "two", tmp_path / "one", "model.safetensors")
+
+
+def test_a_non_finite_loss_on_one_rank_skips_the_step_on_every_rank(ray_session, tmp_path):
+    cfg = tiny_config("trainer.loss=aipo", "trainer.lr=0.01", "trainer.weight_decay=0.1")
+    one = Trainer(cfg)
+    good = [rollouts([step] * 5, seed=step) for step in range(2)]
+    # 5 groups: rank 0 holds groups 0-2, rank 1 groups 3-4. A nan behaviour log-prob in group 4
+    # makes rank 1's loss and gradients nan; rank 0's share is clean.
+    nan_mu = rollouts([1] * 5, seed=7)
+    nan_mu.logprobs[12, 3] = np.nan
+
+    def poison_next_loss(trainer: Trainer) -> None:
+        """This rank's next loss is nan with finite gradients: only the loss tells."""
+        good_loss = trainer.loss_fn
+
+        def nan_once(*args: Any, **kwargs: Any) -> Any:
+            trainer.loss_fn = good_loss
+            loss, stats = good_loss(*args, **kwargs)
+            return loss + float("nan"), stats
+
+        trainer.loss_fn = nan_once
+
+    with trainer_group(Trainer, cfg) as ranks:
+        assert_merged_books(on_all(ranks, "train_step", ray.put(good[0])), one.train_step(good[0]))
+        results = on_all(ranks, "train_step", ray.put(nan_mu))
+        assert [(r.stepped, r.version, r.skipped_nonfinite) for r in results] == [(False, 1, 1)] * 2
+        ray.get(ranks[1].__ray_call__.remote(poison_next_loss), timeout=TIMEOUT_S)
+        results = on_all(ranks, "train_step", ray.put(good[1]))
+        assert [(r.stepped, r.version, r.skipped_nonfinite) for r in results] == [(False, 1, 1)] * 2
+        merged = StepResult.merge(results)
+        assert not merged.stepped and merged.skipped_nonfinite == 1
+        assert [s["skipped_nonfinite"] for s in on_all(ranks, "stats")] == [2, 2]
+        # The group steps on as the one trainer that never saw the two bad steps.
+        assert_merged_books(on_all(ranks, "train_step", ray.put(good[1])), one.train_step(good[1]))
+        on_all(ranks, "save_pretrained", str(tmp_path / "two"))
+    one.save_pretrained(str(tmp_path / "one"))
+    assert_same_weights(tmp_path / "two", tmp_path / "one", "model.safetensors")
+
+
+def test_a_non_finite_vla_minibatch_on_one_rank_is_skipped_by_every_rank(ray_session, tmp_path):
+    cfg = vla_config("trainer.minibatch_steps=3", "trainer.epochs=1", "trainer.lr=0.01")
+    one = VLATrainer(cfg, TINY_VLA)
+    one.loss_fn = nan_on_calls(1)  # one trainer skipping the second of 4 minibatches
+    poison = nan_on_calls(1)  # rank 1 alone: its loss is nan there, rank 0's is finite
+    batch = [segment(n, seed=i) for i, n in enumerate([3, 1, 4, 2])]
+    with trainer_group(VLATrainer, cfg, TINY_VLA) as ranks:
+        ray.get(
+            ranks[1].__ray_call__.remote(lambda t: setattr(t, "loss_fn", poison)), timeout=TIMEOUT_S
+        )
+        results = on_all(ranks, "train_step", ray.put(batch))
+        reference = one.train_step(batch)
+        assert reference.stepped and reference.skipped_nonfinite == 1
+        assert [(r.stepped, r.skipped_nonfinite) for r in results] == [(True, 1)] * 2
+        assert_merged_books(results, reference)
+        on_all(ranks, "save_pretrained", str(tmp_path / "two"))
+    one.save_pretrained(str(tmp_path / "one"))
     assert_same_weights(tmp_path / "two", tmp_path / "one", "model.safetensors")

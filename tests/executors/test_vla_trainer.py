@@ -7,7 +7,9 @@ import json
 import numpy as np
 import torch
 from safetensors.torch import load_file
+from test_trainer import assert_bit_identical, core_state
 
+from relayrl.algorithms.losses import gipo_loss
 from relayrl.config import load_config
 from relayrl.executors.vla_trainer import VLATrainer, micro_batches
 from relayrl.models.vla import VLAConfig, VLAPolicy
@@ -158,3 +160,57 @@ def test_state_dict_restores_and_the_checkpoint_rebuilds_the_policy(tmp_path):
     rebuilt.load_state_dict(load_file(f"{path}/model.safetensors"))
     for key, value in trainer.policy.state_dict().items():
         assert torch.equal(rebuilt.state_dict()[key], value)
+
+
+def nan_on_calls(*calls: int):
+    """The trainer's loss, but a nan (with finite, zero gradients) on the given 0-based calls:
+    one call per minibatch."""
+    count = iter(range(1_000_000))
+
+    def loss_fn(logp, mu_logp, advantages, mask, **kwargs):
+        loss, stats = gipo_loss(logp, mu_logp, advantages, mask, **kwargs)
+        return (loss + float("nan") if next(count) in calls else loss), stats
+
+    return loss_fn
+
+
+def test_a_step_whose_only_minibatch_is_non_finite_takes_no_step_and_is_counted():
+    trainer = make_trainer("trainer.minibatch_steps=1000", "trainer.epochs=1")
+    trainer.train_step(SEGMENTS)  # the optimizer now holds moments
+    before = core_state(trainer)
+    trainer.loss_fn = nan_on_calls(0)
+
+    result = trainer.train_step([segment(3, seed=7, version=1)])
+
+    assert not result.stepped and result.skipped_nonfinite == 1
+    assert result.version == trainer.version == 1 and result.trained == 3
+    assert not any(k.startswith("loss/") for k in result.metrics)
+    assert_bit_identical(core_state(trainer), before)
+    assert trainer.stats()["skipped_nonfinite"] == 1
+
+    result = trainer.train_step([segment(3, seed=7, version=1)])  # the loss is good again
+    assert result.stepped and result.skipped_nonfinite == 0 and trainer.version == 2
+    assert np.isfinite(result.metrics["loss/policy"])
+    assert all(torch.isfinite(v).all() for v in trainer.policy.state_dict().values())
+
+
+def test_nan_behaviour_log_probs_skip_the_step():
+    trainer = make_trainer("trainer.minibatch_steps=1000", "trainer.epochs=1")
+    before = core_state(trainer)
+    bad = segment(3, seed=7)
+    bad.logprobs[1, 0] = np.nan
+    result = trainer.train_step([bad])
+    assert not result.stepped and result.skipped_nonfinite == 1 and trainer.version == 0
+    assert_bit_identical(core_state(trainer), before)
+
+
+def test_a_non_finite_minibatch_is_skipped_and_the_others_still_step():
+    trainer = make_trainer("trainer.minibatch_steps=4", "trainer.epochs=1")
+    trainer.loss_fn = nan_on_calls(1)
+
+    result = trainer.train_step(SEGMENTS)  # 10 steps: minibatches of 4, 4 and 2
+
+    assert result.stepped and result.skipped_nonfinite == 1 and trainer.version == 1
+    assert np.isfinite([v for k, v in result.metrics.items() if k.startswith("loss/")]).all()
+    # Adam counts its steps: two minibatches stepped, the skipped one left no trace.
+    assert {int(s["step"]) for s in trainer.optimizer.state.values()} == {2}

@@ -4,6 +4,8 @@ The trainer owns the policy version. Each ``train_step`` first enforces the stal
 group with any token sampled more than ``max_staleness`` versions ago is dropped and counted, never
 trained on — then computes group advantages and the configured loss against the per-token
 behaviour log-probs recorded by the generator, takes one optimizer step and bumps the version.
+A nan or inf loss or gradient norm skips the optimizer step (see ``TrainerCore.apply_gradients``):
+the step reports ``stepped`` false and ``skipped_nonfinite`` 1, and the version stays.
 
 As one rank of a group (``trainer.ranks``, see ``trainer_core``), every rank is given the whole
 batch and decides alike which groups are stale or carry no signal. Its books (``StepResult``
@@ -130,15 +132,17 @@ class Trainer(TrainerCore):
             lags=np.bincount(lag[books & keep], minlength=self.cfg.max_staleness + 1).tolist(),
             train_s=0.0,
         )
+        skipped = self.skipped_nonfinite
         if keep.any():
-            result.metrics = self._update(batch.select(keep), lag[keep])
-            result.stepped = "loss/value" in result.metrics
+            result.metrics, result.stepped = self._update(batch.select(keep), lag[keep])
+        result.skipped_nonfinite = self.skipped_nonfinite - skipped
         result.version = self.version
         result.train_s = time.perf_counter() - start
         return result
 
-    def _update(self, batch: RolloutBatch, lag: np.ndarray) -> dict[str, float]:
-        """One optimizer step on fresh groups, unless none of them carries a learning signal."""
+    def _update(self, batch: RolloutBatch, lag: np.ndarray) -> tuple[dict[str, float], bool]:
+        """One optimizer step on fresh groups, unless none of them carries a learning signal or
+        the loss or gradient is not finite; returns the metrics and whether it stepped."""
         rewards = torch.from_numpy(batch.rewards)
         zero_signal = zero_signal_samples(rewards, batch.group_size)
         metrics = {
@@ -155,7 +159,7 @@ class Trainer(TrainerCore):
         if self.cfg.trainer.skip_zero_signal:
             batch = batch.select(~zero_signal.numpy())
         if len(batch) == 0:
-            return metrics
+            return metrics, False
         trainable_tokens = int(batch.completion_len.sum())
         own, filler = self._own(len(batch) // batch.group_size)
         batch = batch.select(_group_rows(own, batch))
@@ -177,7 +181,9 @@ class Trainer(TrainerCore):
         # neither sharding nor skipping changes the update.
         own_tokens = 0 if filler else int(batch.completion_len.sum())
         loss = loss * (own_tokens / all_tokens)
-        grad_norm = self.apply_gradients(loss, self.optimizer)
+        grad_norm, stepped = self.apply_gradients(loss, self.optimizer)
+        if not stepped:
+            return metrics, False
         self.bump_version()
         metrics |= self._loss_metrics(
             {"value": float(loss.detach())}, loss_stats, own_tokens / trainable_tokens, grad_norm
@@ -185,7 +191,7 @@ class Trainer(TrainerCore):
         return metrics | {
             "loss/lr": self.scheduler.get_last_lr()[0],
             "version": float(self.version),
-        }
+        }, True
 
     def save_pretrained(self, path: str) -> str:
         """Save a Hugging Face checkpoint (safetensors) with its tokenizer. In a group every rank

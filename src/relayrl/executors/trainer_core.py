@@ -6,6 +6,10 @@ is the same for both and lives here: the optimizer and its learning-rate schedul
 by name with its keyword arguments, the policy version, the sample counters, weight sync
 (open, connect, publish, stats, close) and the tracer.
 
+A bad batch must not end a long run or poison its weights: ``apply_gradients`` skips the optimizer
+step when the loss or the gradient norm is nan or inf, leaving parameters and optimizer state bit
+for bit as they were, and counts it in ``skipped_nonfinite``.
+
 Both trainers inherit it rather than hold it: a Ray actor serves only the methods of its own
 class, so composing the core would mean a copy of every delegating method in each trainer, which
 is the duplication this class removes.
@@ -63,6 +67,7 @@ class TrainerCore:
         self.version = 0
         self.trained = 0
         self.dropped_stale = 0
+        self.skipped_nonfinite = 0
         self.tracer = Tracer(self.name)
         self.sync = TrainerSide(
             timeout_s=cfg.sync.timeout_s,
@@ -109,15 +114,29 @@ class TrainerCore:
         maxima = {"grad_norm": grad_norm, "ratio_max": stats["ratio_max"] if weight > 0 else 0.0}
         return {f"loss/{k}": v for k, v in parallel.global_metrics(shares, maxima).items()}
 
-    def apply_gradients(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer) -> float:
+    def apply_gradients(
+        self, loss: torch.Tensor, optimizer: torch.optim.Optimizer
+    ) -> tuple[float, bool]:
         """Backward ``loss``, clip the global gradient norm and step ``optimizer``; returns the
-        norm before clipping. The model is not written until the sends in flight are done."""
+        norm before clipping and whether the optimizer stepped. A nan or inf loss (on any rank)
+        or norm skips the step, counted in ``skipped_nonfinite``, and leaves the parameters and
+        the optimizer state untouched. The model is not written until the sends in flight are
+        done."""
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.trainer.grad_clip)
+        norm = float(norm)
+        # The norm is the group's, but the loss is this rank's share, and a nan loss may come with
+        # finite gradients (a nan term that carries none). Every rank must decide alike: one that
+        # skipped alone would leave its shard of the weights, its schedule and its version behind.
+        bad = not (math.isfinite(norm) and math.isfinite(float(loss.detach())))
+        if parallel.global_metrics({}, {"nonfinite": float(bad)})["nonfinite"]:
+            optimizer.zero_grad(set_to_none=True)  # clipping by a nan norm left nan gradients
+            self.skipped_nonfinite += 1
+            return norm, False
         self.sync.writable()  # in place: the sends of the last publish read these tensors
         optimizer.step()
-        return float(norm)
+        return norm, True
 
     def bump_version(self) -> None:
         """End a train step that updated the policy: advance the schedule and the version."""
@@ -156,6 +175,7 @@ class TrainerCore:
             "version": self.version,
             "trained": self.trained,
             "dropped_stale": self.dropped_stale,
+            "skipped_nonfinite": self.skipped_nonfinite,
         }
 
     def trace(self) -> tuple[list[Span], list[Span]]:
@@ -181,6 +201,7 @@ class TrainerCore:
                 "version": self.version,
                 "trained": self.trained,
                 "dropped_stale": self.dropped_stale,
+                "skipped_nonfinite": self.skipped_nonfinite,
             }
         )
 
@@ -193,6 +214,7 @@ class TrainerCore:
         self.version = state["version"]
         self.trained = state["trained"]
         self.dropped_stale = state["dropped_stale"]
+        self.skipped_nonfinite = state["skipped_nonfinite"]
 
     def _lr_factor(self, update: int) -> float:
         """Multiplier of the learning rate after ``update`` train steps (cosine or constant)."""

@@ -13,7 +13,13 @@ lockstep loop in sync mode) and
 4. takes ``trainer.epochs`` passes of random minibatches of env steps with
    ``loss = LOSSES[trainer.loss] over action tokens + value_coef * (V - G)^2 - entropy_coef * H``,
    every action token of a step carrying the step's advantage;
-5. bumps the policy version once.
+5. bumps the policy version once, if at least one minibatch stepped.
+
+A minibatch whose loss (on any rank) or global gradient norm is nan or inf takes no optimizer step
+(see ``TrainerCore.apply_gradients``) and the pass goes on to the next one: the others still hold
+signal, and skipping the whole step would throw it away for one bad sample. ``StepResult``'s
+``skipped_nonfinite`` counts the skipped minibatches; the step counts as ``stepped`` and bumps the
+version when at least one minibatch stepped, and its ``loss/*`` metrics are means over those.
 
 As one rank of a group (``trainer.ranks``, see ``trainer_core``), every rank is given the whole
 super-batch and drops the same stale segments. Its books (``StepResult`` counts, lags) are its
@@ -204,8 +210,9 @@ class VLATrainer(TrainerCore):
         self.dropped_stale += received - trained
         self.trained += trained
         kept_versions = np.concatenate([s.versions for s in kept]) if kept else np.zeros(0, int)
+        skipped = self.skipped_nonfinite
         result = StepResult(
-            stepped=bool(fresh),
+            stepped=False,
             version=self.version,
             received=received,
             trained=trained,
@@ -232,21 +239,26 @@ class VLATrainer(TrainerCore):
                 metrics["rollout/accuracy"] = float(np.mean([s.success for s in ended]))
             held = torch.arange(len(data["advantages"])) < own
             advantages = global_normalize(data["advantages"], held)
-            metrics |= self._update(data, advantages, first, own, len(lag))
-            self.bump_version()
-            result.metrics = metrics | {
-                "loss/lr": self.scheduler.get_last_lr()[0],
-                "version": float(self.version),
-            }
+            losses, updates = self._update(data, advantages, first, own, len(lag))
+            result.metrics = metrics | losses
+            if updates:
+                self.bump_version()
+                result.stepped = True
+                result.metrics |= {
+                    "loss/lr": self.scheduler.get_last_lr()[0],
+                    "version": float(self.version),
+                }
+        result.skipped_nonfinite = self.skipped_nonfinite - skipped
         result.version = self.version
         result.train_s = time.perf_counter() - start
         return result
 
     def _update(
         self, data: dict[str, Any], advantages: Tensor, first: int, own: int, count: int
-    ) -> dict[str, float]:
+    ) -> tuple[dict[str, float], int]:
         """``epochs`` passes of shuffled minibatches of the ``count`` steps of every rank, each
-        rank on its ``own`` steps from index ``first``; returns the mean of each loss metric."""
+        rank on its ``own`` steps from index ``first``; returns the mean of each loss metric over
+        the minibatches that stepped, and their number."""
         totals: dict[str, float] = {}
         updates = 0
         for _ in range(self.tc.epochs):
@@ -270,7 +282,9 @@ class VLATrainer(TrainerCore):
                 entropy = entropy.mean()
                 loss = policy_loss + self.tc.value_coef * value_loss
                 loss = (loss - self.tc.entropy_coef * entropy) * weight
-                grad_norm = self.apply_gradients(loss, self.optimizer)
+                grad_norm, stepped = self.apply_gradients(loss, self.optimizer)
+                if not stepped:  # every rank decides alike, so all skip the collective below
+                    continue
                 terms = {"policy": policy_loss, "value": value_loss, "entropy": entropy}
                 step = self._loss_metrics(
                     {k: weight * float(v.detach()) for k, v in terms.items()},
@@ -281,7 +295,7 @@ class VLATrainer(TrainerCore):
                 for key, value in step.items():
                     totals[key] = totals.get(key, 0.0) + value
                 updates += 1
-        return {key: value / updates for key, value in totals.items()}
+        return {key: value / updates for key, value in totals.items()}, updates
 
     def save_pretrained(self, path: str) -> str:
         """Save ``model.safetensors`` and ``vla_config.json`` (``VLAPolicy(VLAConfig(**json))``

@@ -89,6 +89,7 @@ class RunTally:
     def __init__(self, steps: int, progress: bool):
         self.steps = 0  # batches the trainer consumed
         self.updates = 0  # optimizer steps (a batch with no learning signal takes none)
+        self.skipped_nonfinite = 0  # optimizer steps skipped for a nan or inf loss or grad norm
         self.generated = 0
         self.trained = 0
         self.dropped_stale = 0
@@ -131,6 +132,7 @@ class RunTally:
         """A train step finished; returns the metrics to log for it."""
         self.trained += result.trained
         self.dropped_stale += result.dropped_stale
+        self.skipped_nonfinite += result.skipped_nonfinite
         self.train_s.append(result.train_s)
         for lag, count in enumerate(result.lags):
             if count:
@@ -152,6 +154,9 @@ class RunTally:
             "samples/dropped_stale_total": float(self.dropped_stale),
             "reward/errors": float(self.score_errors),
             "reward/timeouts": float(self.score_timeouts),
+            # The run total: only every log.every-th step is logged, so a per-step count of a
+            # rare skip would mostly go unseen.
+            "loss/skipped_nonfinite": float(self.skipped_nonfinite),
         }
         if "rollout/accuracy" in out:
             self._recent = {
