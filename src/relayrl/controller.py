@@ -304,6 +304,7 @@ def train(cfg: Config, run_dir: Path, make_env: Callable[[int], EmbodiedEnv] | N
         "wall_clock_s": time.time() - started,
         "steps": tally.steps,
         "updates": tally.updates,
+        "skipped_nonfinite": tally.skipped_nonfinite,
         "topology": placed,
         **sections,
         "sync": sync,
