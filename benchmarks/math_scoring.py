@@ -33,7 +33,7 @@ from pathlib import Path
 import matplotlib
 import matplotlib.pyplot as plt
 
-from relayrl.rewards.math import score
+from relayrl.rewards.math import _score_unbounded as score  # in-process: no sandbox
 from relayrl.rewards.sandbox import ScoringPool
 
 matplotlib.use("Agg")  # benchmark machines have no display

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 from conftest import tiny_config
 
@@ -70,3 +75,56 @@ def test_math_scorer_runs_sandboxed_and_counts_timeouts():
         assert rewarder.stats()["timeouts"] + rewarder.stats()["errors"] == 1
     finally:
         rewarder.close()
+
+
+def test_an_exact_answer_scorer_that_raises_is_counted_and_scores_zero():
+    cfg = tiny_config()
+    rewarder = Rewarder(cfg)
+    # A reference that is not a string (a dataset row with a numeric answer) makes the scorer
+    # raise in this process; the other samples are scored as usual.
+    batch = _batch(load_tokenizer(cfg.model.tokenizer), ["975", "975"], ["975", 975], [True] * 2)
+    summary, scored = rewarder.score(batch)
+    assert scored.rewards.tolist() == [1.0, 0.0]
+    assert summary["errors"] == 1 and summary["timeouts"] == 0
+    assert scored.score_errors == 1 and rewarder.stats()["errors"] == 1
+
+
+def test_a_math_scorer_that_raises_in_the_pool_is_counted_and_scores_zero():
+    cfg = tiny_config("model.tokenizer=builtin:byte", "rewarder.scorer=math", "rewarder.workers=1")
+    rewarder = Rewarder(cfg)
+    try:
+        # The same non-string reference makes rewards.math raise inside the worker, which reports
+        # the error and is replaced; the next sample is scored by the new worker.
+        completions = ["\\boxed{975}", "\\boxed{975}", "\\boxed{975}"]
+        batch = _batch(load_tokenizer("builtin:byte"), completions, ["975", 975, "975"], [True] * 3)
+        summary, scored = rewarder.score(batch)
+        assert scored.rewards.tolist() == [1.0, 0.0, 1.0]
+        assert summary["errors"] == 1 and summary["timeouts"] == 0
+        assert scored.score_errors == 1 and rewarder.stats()["errors"] == 1
+    finally:
+        rewarder.close()
+
+
+def test_a_closed_math_rewarder_leaves_no_multiprocessing_temp_dirs(tmp_path):
+    # In a fresh interpreter whose temp dir is tmp_path (others' jobs share /tmp): the forkserver
+    # behind the pool puts its socket in a temp dir, which must be gone once the rewarder closes,
+    # before the interpreter exits (a Ray actor is killed, so exit handlers never run).
+    code = (
+        "import os, sys\n"
+        f"sys.path.insert(0, {str(Path(__file__).parents[1])!r})\n"
+        "from conftest import tiny_config\n"
+        "from relayrl.executors.rewarder import Rewarder\n"
+        "if __name__ == '__main__':\n"
+        "    cfg = tiny_config('rewarder.scorer=math', 'rewarder.workers=2')\n"
+        "    rewarder = Rewarder(cfg)\n"
+        "    assert rewarder.pool.score_batch([('\\\\boxed{2}', '2')]) == [1.0]\n"
+        "    assert os.listdir(os.environ['TMPDIR']), 'the pool should own a temp dir'\n"
+        "    rewarder.close()\n"
+        "    left = os.listdir(os.environ['TMPDIR'])\n"
+        "    assert not left, left\n"
+        "    os._exit(0)\n"
+    )
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert result.returncode == 0, result.stderr
+    assert list(tmp_path.iterdir()) == []

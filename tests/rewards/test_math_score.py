@@ -8,10 +8,14 @@ when either side changes.
 
 from __future__ import annotations
 
+import resource
+import time
+
 import pytest
 from math_verify import parse, verify
 
-from relayrl.rewards.math import extract_answer, last_boxed, normalize, score
+from relayrl.rewards.math import _score_unbounded, extract_answer, last_boxed, normalize, score
+from relayrl.rewards.sandbox import DEFAULT_TIMEOUT_S
 
 
 def boxed(answer: str) -> str:
@@ -178,7 +182,12 @@ def test_the_table_covers_every_answer_kind_both_ways():
 
 @pytest.mark.parametrize(("response", "reference", "expected", "raw_note"), ROWS)
 def test_score(response, reference, expected, raw_note):
-    assert score(response, reference) == expected
+    assert score(response, reference) == expected  # the public, sandboxed entry
+
+
+@pytest.mark.parametrize(("response", "reference", "expected", "raw_note"), ROWS[:10])
+def test_the_unbounded_scorer_is_the_same_function(response, reference, expected, raw_note):
+    assert _score_unbounded(response, reference) == expected
 
 
 @pytest.mark.parametrize(("response", "reference", "expected", "raw_note"), ROWS)
@@ -246,3 +255,35 @@ def test_last_boxed_matches_nested_braces():
 )
 def test_normalize(raw, clean):
     assert normalize(raw) == clean
+
+
+HOSTILE = {
+    "power-tower": "\\boxed{9^{9^{9^{9}}}}",
+    "50k-term-sum": "\\boxed{" + "+".join(["1"] * 50_000) + "}",
+    "nested-frac": "\\boxed{" + "\\frac{1}{" * 5000 + "2" + "}" * 5000 + "}",
+    "10M-digits": "\\boxed{" + "9" * 10_000_000 + "}",
+}
+MARGIN_S = 5.0  # a replacement worker and a loaded 2-core machine; not a performance bound
+
+
+def test_hostile_answers_score_zero_by_default_within_the_time_limit():
+    # In process (_score_unbounded) each of these ran for 45 s to over a minute when measured
+    # (docs/math_rewards.md); through the public entry each costs one timeout.
+    assert score(boxed("42"), "42") == 1.0  # the first call starts the worker: not timed
+    start, peak_kb = time.monotonic(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    assert score(HOSTILE["power-tower"], "1") == 0.0
+    assert time.monotonic() - start < DEFAULT_TIMEOUT_S + MARGIN_S
+    assert score(boxed("\\frac{1}{2}"), "0.5") == 1.0, "a correct answer still scores 1"
+    grown_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak_kb) / 1024
+    assert grown_mb < 100, "the parse must happen in the worker, not here"
+
+
+@pytest.mark.parametrize("name", [n for n in HOSTILE if n != "power-tower"])
+def test_hostile_answers_score_zero_within_a_shorter_limit(name):
+    assert score(boxed("42"), "42") == 1.0
+    start, peak_kb = time.monotonic(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    assert score(HOSTILE[name], "1", timeout_s=2.0) == 0.0
+    assert time.monotonic() - start < 2.0 + MARGIN_S
+    grown_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak_kb) / 1024
+    assert grown_mb < 100 + len(HOSTILE[name]) * 4 / 2**20  # the text itself, its JSON copies
+    assert score(boxed("42"), "42") == 1.0, "a correct answer still scores 1"

@@ -140,3 +140,60 @@ def test_the_calling_process_never_loads_the_parser():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_closed_pools_leave_no_multiprocessing_temp_dirs(tmp_path):
+    # In a fresh interpreter whose temp dir is tmp_path (others' jobs share /tmp). The forkserver
+    # listens on a socket in a temp dir; multiprocessing would make it a pymp-* directory removed
+    # only at a normal exit, which a killed Ray actor never reaches. After the last pool closes
+    # (and, for score(), at exit) nothing is left, and a later pool starts a fresh forkserver.
+    code = (
+        "import os, sys\n"
+        "from relayrl.rewards.sandbox import ScoringPool\n"
+        "def left(): return sorted(os.listdir(os.environ['TMPDIR']))\n"
+        "if __name__ == '__main__':\n"
+        "    for _ in range(2):\n"
+        "        with ScoringPool(workers=2) as a, ScoringPool(workers=1) as b:\n"
+        "            assert a.score_batch([('\\\\boxed{2}', '2')]) == [1.0]\n"
+        "            assert len(left()) == 1 and left()[0].startswith('relayrl-scoring-'), left()\n"
+        "            a.close()\n"
+        "            assert b.score_batch([('\\\\boxed{2}', '2')]) == [1.0]\n"
+        "            assert len(left()) == 1, 'still in use by the second pool'\n"
+        "        assert left() == [], left()\n"
+        "    from relayrl.rewards.math import score\n"
+        "    assert score('\\\\boxed{2}', '2') == 1.0\n"
+        "    assert len(left()) == 1\n"
+    )
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert result.returncode == 0, result.stderr
+    assert list(tmp_path.iterdir()) == [], "score()'s shared pool is closed at exit"
+
+
+def test_score_in_forked_children_uses_their_own_pool(tmp_path):
+    # A child forked after the parent used score() must not talk to the parent's worker or
+    # forkserver: it starts its own, bounded as well, and removes it when it exits.
+    code = (
+        "import multiprocessing, os\n"
+        "from relayrl.rewards.math import score\n"
+        "def job(queue):\n"
+        "    queue.put([score('\\\\boxed{3}', '3'), score(TOWER, '1', timeout_s=1)])\n"
+        "TOWER = '\\\\boxed{9^{9^{9^{9}}}}'\n"
+        "if __name__ == '__main__':\n"
+        "    assert score('\\\\boxed{2}', '2') == 1.0\n"
+        "    context = multiprocessing.get_context('fork')\n"
+        "    queue = context.Queue()\n"
+        "    children = [context.Process(target=job, args=(queue,)) for _ in range(2)]\n"
+        "    for child in children:\n"
+        "        child.start()\n"
+        "    assert [queue.get(timeout=120) for _ in children] == [[1.0, 0.0]] * 2\n"
+        "    for child in children:\n"
+        "        child.join()\n"
+        "        assert child.exitcode == 0\n"
+        "    assert len(os.listdir(os.environ['TMPDIR'])) == 1, 'only the parent pool is left'\n"
+        "    assert score('\\\\boxed{2}', '2') == 1.0\n"
+    )
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert result.returncode == 0, result.stderr
+    assert list(tmp_path.iterdir()) == []

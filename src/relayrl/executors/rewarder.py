@@ -1,9 +1,11 @@
 """Rewarder executor: decodes completions and scores them with a rule-based scorer.
 
 A completion that did not end with EOS scores 0 (it was cut at the length limit). A scorer that
-raises scores 0 for that sample and is counted in ``score_errors``; the run goes on. The ``math``
-scorer runs in a ``ScoringPool`` (worker processes with a time and a memory limit), where an item
-that times out scores 0 and is counted in ``timeouts``.
+raises scores 0 for that sample and is counted in ``errors`` (and the batch's ``score_errors``); the
+run goes on. The ``math`` scorer runs in a ``ScoringPool`` (worker processes with a time and a
+memory limit), where an item that raises or kills its worker is counted the same way and one that
+times out scores 0 and is counted in ``timeouts``. ``close()`` stops the pool and leaves no
+multiprocessing temp directory behind.
 """
 
 from __future__ import annotations

@@ -11,8 +11,11 @@ integers, decimals and thousands separators, fractions, radicals, percentages, d
 extracted answer alone, wrapped in ``\\boxed{}``, so that its own extraction cannot merge several
 boxes into a set or pick a stray number elsewhere in the response.
 
-Parsing and comparing run sympy on model output and can hang or exhaust memory: call ``score``
-through ``relayrl.rewards.sandbox.ScoringPool``, which enforces a time and memory limit.
+Parsing and comparing run sympy on model output, which can hang or exhaust memory
+(``\\boxed{9^{9^{9^{9}}}}``, a 50,000-term sum). ``score`` is therefore bounded: it scores in a
+worker process with a per-item time limit (``sandbox.DEFAULT_TIMEOUT_S``, 5 s) and an
+address-space limit (``sandbox.DEFAULT_MEMORY_MB``, 1 GiB), and returns 0.0 past either. Many
+items go faster through ``relayrl.rewards.sandbox.ScoringPool.score_batch``, as the rewarder does.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ import re
 from functools import lru_cache
 
 from math_verify import LatexExtractionConfig, parse, verify
+
+from relayrl.rewards.sandbox import DEFAULT_TIMEOUT_S, score_one
 
 _BOX_COMMANDS = ("\\boxed", "\\fbox")
 _GSM8K_ANSWER = re.compile(r"####[ \t]*([^\n]*)")
@@ -120,15 +125,25 @@ def _parse(answer: str) -> tuple:
     )
 
 
-def equivalent(answer: str, reference: str) -> bool:
-    """Whether two bare answers are mathematically equivalent according to math-verify."""
+def _equivalent(answer: str, reference: str) -> bool:
+    """Whether two bare answers are equivalent according to math-verify (unbounded)."""
     gold, pred = _parse(reference), _parse(answer)
     return bool(gold and pred and verify(list(gold), list(pred), timeout_seconds=None))
 
 
-def score(response: str, reference: str) -> float:
-    """1.0 if the final answer in ``response`` is equivalent to the bare ``reference``, else 0.0."""
+def score(response: str, reference: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> float:
+    """1.0 if the final answer in ``response`` is equivalent to the bare ``reference``, else 0.0.
+
+    Runs in a worker process shared by this process (the first call starts it: 0.4-3 s):
+    0.0 if scoring takes over ``timeout_s`` seconds, needs over 1 GiB of address space or raises.
+    Scripts that call it need the ``if __name__ == "__main__":`` guard (the worker re-imports them).
+    """
+    return score_one(response, reference, timeout_s)
+
+
+def _score_unbounded(response: str, reference: str) -> float:
+    """``score`` in this process, with no time or memory limit: for the sandbox's workers."""
     answer = extract_answer(response)
     if answer is None:
         return 0.0
-    return 1.0 if equivalent(answer, reference) else 0.0
+    return 1.0 if _equivalent(answer, reference) else 0.0
