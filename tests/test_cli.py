@@ -1,4 +1,5 @@
-"""The ``relayrl`` command: bad configs exit 2 with one line on stderr, before Ray is imported.
+"""The ``relayrl`` command: bad configs and bad data exit 2 with one line on stderr, before Ray is
+imported.
 
 Every case runs the real entry point in a fresh interpreter. Each run pays the torch import that
 config validation needs (about 2 s), so the module starts them all at once and the tests read the
@@ -13,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from test_preflight import GOOD, write_jsonl, write_tokenizer
 
 from relayrl import cli
 from relayrl.config import load_config
@@ -34,6 +36,62 @@ BAD_CONFIGS = {
     "broken-yaml": (["{tmp}/broken.yaml"], "broken.yaml' is not readable YAML: "),
 }
 
+# case id -> (arguments after `relayrl train ARITH`, text stderr must contain), with the data files
+# the `tmp` fixture writes.
+DATASET = [ARITH, "task.name=dataset", "task.heldout_size=1"]
+BAD_DATA = {
+    "missing-data": (
+        [*DATASET, "task.data={tmp}/none.jsonl"],
+        "task.data = '{tmp}/none.jsonl': dataset file '{tmp}/none.jsonl' not found",
+    ),
+    "not-json": (
+        [*DATASET, "task.data={tmp}/not_json.jsonl"],
+        "{tmp}/not_json.jsonl line 3: not valid JSON (Expecting property name",
+    ),
+    "not-an-object": (
+        [*DATASET, "task.data={tmp}/array.jsonl"],
+        "{tmp}/array.jsonl line 2: an array, not a JSON object",
+    ),
+    "missing-prompt-field": (
+        [*DATASET, "task.data={tmp}/good.jsonl", "task.prompt_field=question"],
+        "task.prompt_field = 'question': {tmp}/good.jsonl line 1: no field 'question'; "
+        "the row has: answer, prompt",
+    ),
+    "missing-answer-field": (
+        [*DATASET, "task.data={tmp}/good.jsonl", "task.answer_field=solution"],
+        "task.answer_field = 'solution': {tmp}/good.jsonl line 1: no field 'solution'",
+    ),
+    "template-field": (
+        [*DATASET, "task.data={tmp}/good.jsonl", "task.template='{{prompt}} {{hint}}'"],
+        "task.template = '{{prompt}} {{hint}}': {tmp}/good.jsonl line 1: the template names "
+        "field 'hint'; the row has: answer, prompt",
+    ),
+    "answer-template-field": (
+        [*DATASET, "task.data={tmp}/good.jsonl", "task.answer_template='#{{ans}}'"],
+        "task.answer_template = '#{{ans}}': names field 'ans'",
+    ),
+    "letters-under-char": (
+        [*DATASET, "task.data={tmp}/words.jsonl"],
+        "model.tokenizer = 'builtin:char': cannot encode 4 characters of task.data = "
+        "'{tmp}/words.jsonl' ('e', 'h', 'l', 'o'), found in 1 of 2 prompts and 0 of 2 "
+        "warm-start targets; use model.tokenizer=builtin:byte (any UTF-8 text)",
+    ),
+    "addition-without-digits": (
+        [ARITH, "model.tokenizer={tmp}/letters"],
+        "model.tokenizer = '{tmp}/letters': cannot encode 10 characters of task.name = "
+        "'addition' (a sample of 512)",
+    ),
+}
+
+# Prints which heavy modules a data error left imported: Ray and the controller come after it.
+IMPORTS_AFTER_DATA_ERROR = """
+import sys
+from relayrl.cli import main
+code = main(["train", "configs/arith.yaml", "task.name=dataset", "task.data=none.jsonl"])
+print(",".join(m for m in ("ray", "relayrl.controller") if m in sys.modules))
+sys.exit(code)
+"""
+
 # Prints which heavy modules a config error left imported: the controller must come after it.
 IMPORTS_AFTER_ERROR = """
 import sys
@@ -52,6 +110,11 @@ def run(argv: list[str]) -> subprocess.CompletedProcess:
 def tmp(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("cli")
     (folder / "broken.yaml").write_text("mode: sync\ntrainer: [loss,\n")
+    write_jsonl(folder / "good.jsonl", GOOD)
+    write_jsonl(folder / "not_json.jsonl", [*GOOD, "{not json"])
+    write_jsonl(folder / "array.jsonl", [GOOD[0], "[1, 2]"])
+    write_jsonl(folder / "words.jsonl", [{"prompt": "hello 1+1=", "answer": "2"}, GOOD[0]])
+    write_tokenizer(folder / "letters", "abcdefghijklmnopqrstuvwxyz+=")
     return folder
 
 
@@ -62,9 +125,13 @@ def runs(tmp) -> dict[str, subprocess.CompletedProcess]:
         name: [*relayrl, "train", *(arg.format(tmp=tmp) for arg in args)]
         for name, (args, _) in BAD_CONFIGS.items()
     }
+    for name, (args, _) in BAD_DATA.items():
+        args = [*args, "--run-dir", f"{{tmp}}/run-{name}"]
+        commands[name] = [*relayrl, "train", *(arg.format(tmp=tmp) for arg in args)]
     commands["help"] = [*relayrl, "--help"]
     commands["train-help"] = [*relayrl, "train", "--help"]
     commands["imports"] = [sys.executable, "-c", IMPORTS_AFTER_ERROR]
+    commands["imports-data"] = [sys.executable, "-c", IMPORTS_AFTER_DATA_ERROR]
     script = Path(sys.executable).with_name("relayrl")
     if script.is_file():
         commands["console-script"] = [str(script), "train", "configs/does_not_exist.yaml"]
@@ -93,6 +160,29 @@ def test_config_error_exits_before_ray_and_the_controller_are_imported(runs):
     assert result.returncode == 2, result.stderr
     assert result.stdout.strip() == ""
     assert result.stderr.startswith("relayrl: config error: trainer.loss = 'magic'")
+
+
+@pytest.mark.parametrize("case", list(BAD_DATA))
+def test_bad_data_exits_2_with_one_line_before_the_run_starts(case, runs, tmp):
+    result = runs[case]
+    expected = BAD_DATA[case][1].format(tmp=tmp)
+
+    assert result.returncode == 2, result.stderr
+    assert result.stdout == ""
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("relayrl: data error: ")
+    assert expected in lines[0]
+    # The controller makes the run directory before it starts Ray: the run never began.
+    assert not (tmp / f"run-{case}").exists()
+
+
+def test_data_error_exits_before_ray_and_the_controller_are_imported(runs):
+    result = runs["imports-data"]
+
+    assert result.returncode == 2, result.stderr
+    assert result.stdout.strip() == ""
+    assert result.stderr.startswith("relayrl: data error: task.data = 'none.jsonl': ")
 
 
 def test_help_shows_the_train_command_and_overrides(runs):

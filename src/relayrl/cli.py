@@ -19,7 +19,7 @@ Overrides use dotted keys (section.key=value); see the config reference in the R
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point; returns the process exit code (2 for configuration errors)."""
+    """Entry point; returns the process exit code (2 for configuration and data errors)."""
     parser = argparse.ArgumentParser(
         prog="relayrl",
         description="Distributed, asynchronous RL of language and vision-language-action policies.",
@@ -91,6 +91,13 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, overrides)
     except ConfigError as err:
         print(f"relayrl: config error: {err}", file=sys.stderr)
+        return 2
+    from relayrl.preflight import PreflightError, check
+
+    try:
+        check(cfg)
+    except PreflightError as err:
+        print(f"relayrl: data error: {err}", file=sys.stderr)
         return 2
 
     from relayrl.controller import train as run_training

@@ -10,6 +10,7 @@ import pytest
 from relayrl.data.datasets import (
     DATASETS,
     Example,
+    RowError,
     gsm8k_final_answer,
     load_examples,
     load_gsm8k,
@@ -65,20 +66,51 @@ def test_user_parquet(tmp_path):
     assert load_examples(path) == [Example("3+4=", "7", {})]
 
 
-def test_errors_name_the_file_the_row_and_the_field(tmp_path):
+def test_errors_name_the_file_the_line_and_the_field(tmp_path):
     path = tmp_path / "bad.jsonl"
-    path.write_text(json.dumps({"prompt": "x"}) + "\n")
-    with pytest.raises(ValueError, match="row 1 has no field 'answer'; fields: prompt"):
+    path.write_text("\n" + json.dumps({"prompt": "x"}) + "\n")
+    with pytest.raises(RowError, match="bad.jsonl line 2: no field 'answer'; the row has: prompt"):
         load_examples(path)
-    with pytest.raises(ValueError, match="template field 'nope'"):
+    with pytest.raises(RowError, match="line 2: the template names field 'nope'") as info:
         load_examples(path, answer_field="prompt", template="{nope}")
+    assert info.value.argument == "template"
     path.write_text("{not json\n")
-    with pytest.raises(ValueError, match="bad.jsonl:1: not valid JSON"):
+    with pytest.raises(ValueError, match="bad.jsonl line 1: not valid JSON"):
+        load_examples(path)
+    path.write_text("[1]\n")
+    with pytest.raises(ValueError, match="bad.jsonl line 1: an array, not a JSON object"):
         load_examples(path)
     (tmp_path / "x.csv").write_text("prompt,answer\n")
     with pytest.raises(ValueError, match="unknown format '.csv'; allowed: .jsonl, .parquet"):
         load_examples(tmp_path / "x.csv")
-    with pytest.raises(FileNotFoundError, match="RELAYRL_DATA_DIR"):
+    with pytest.raises(FileNotFoundError, match="dataset file '.*missing.jsonl' not found"):
         load_examples(tmp_path / "missing.jsonl")
     with pytest.raises(ValueError, match="without a '####' line"):
         gsm8k_final_answer("no marker")
+
+
+def test_gsm8k_answer_without_marker_names_its_line(tmp_path):
+    path = tmp_path / "gsm.jsonl"
+    path.write_text(json.dumps({"question": "q", "answer": "no marker"}) + "\n")
+    with pytest.raises(RowError, match="gsm.jsonl line 1: GSM8K answer without a '####' line"):
+        load_gsm8k(path)
+
+
+def test_missing_benchmark_file_says_where_benchmarks_are_read_from(tmp_path, monkeypatch):
+    monkeypatch.setenv("RELAYRL_DATA_DIR", str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="math500_test.jsonl' not found.*RELAYRL_DATA_DIR"):
+        load_math500()
+
+
+def test_rows_split_at_newlines_only_and_a_byte_order_mark_is_skipped(tmp_path):
+    path = tmp_path / "bom.jsonl"
+    row = {"prompt": "a\u2028b\x85c", "answer": "1"}
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps(row, ensure_ascii=False).encode() + b"\r\n")
+    assert load_examples(path) == [Example("a\u2028b\x85c", "1", {})]
+
+
+def test_missing_relative_path_names_the_directory_it_is_resolved_from(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError) as info:
+        load_examples("mine.jsonl")
+    assert str(info.value) == f"dataset file 'mine.jsonl' (relative to {tmp_path}) not found"

@@ -32,6 +32,20 @@ class DatasetTask:
         return [rng.choice(self._train) for _ in range(n)]
 
 
+def load_dataset_examples(
+    data: str,
+    prompt_field: str = "prompt",
+    answer_field: str = "answer",
+    template: str = "{prompt}",
+) -> list[Example]:
+    """``math500`` or ``gsm8k`` with their own templates, or a user file with the given fields."""
+    if data in DATASETS:
+        return DATASETS[data]()
+    return load_examples(
+        data, prompt_field=prompt_field, answer_field=answer_field, template=template
+    )
+
+
 def load_dataset_task(
     data: str,
     heldout_size: int,
@@ -39,11 +53,6 @@ def load_dataset_task(
     answer_field: str = "answer",
     template: str = "{prompt}",
 ) -> DatasetTask:
-    """``math500`` or ``gsm8k`` with their own templates, or a user file with the given fields."""
-    if data in DATASETS:
-        examples = DATASETS[data]()
-    else:
-        examples = load_examples(
-            data, prompt_field=prompt_field, answer_field=answer_field, template=template
-        )
+    """The task over ``load_dataset_examples``, with ``heldout_size`` problems held out."""
+    examples = load_dataset_examples(data, prompt_field, answer_field, template)
     return DatasetTask(examples, heldout_size)
