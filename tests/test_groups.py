@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 import ray
@@ -9,7 +11,7 @@ import torch
 from conftest import tiny_config
 from safetensors.torch import load_file
 
-from relayrl.launch import connect_weight_sync, publish_weights, stop
+from relayrl.launch import Placement, connect_weight_sync, publish_weights, stop
 from relayrl.workloads import LLMWorkload
 
 
@@ -61,3 +63,25 @@ def test_each_rank_sends_its_half_and_every_replica_serves_the_full_weights(
         assert all(s["lost"] == {} for s in stats)
     finally:
         stop(w.groups(), w.placement, w.closing())
+
+
+class _Probe:
+    """The lightest actor: it only says which node it runs on."""
+
+    def node(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+
+def test_a_colocated_placement_of_many_actors_starts_every_one(ray_session):
+    # Twelve 0.01-CPU shares summed as floats fell one Ray unit (1e-4) short of twelve actors.
+    ray_session.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # for _Probe
+    cfg = tiny_config("generator.replicas=10")
+    placement = Placement(cfg, {"trainer": (1, {}), "generator": (10, {}), "rewarder": (1, {})})
+    try:
+        roles = [("trainer", 0), *(("generator", i) for i in range(10)), ("rewarder", 0)]
+        actors = [ray.remote(_Probe).options(**placement.options(*r)).remote() for r in roles]
+        assert len(set(ray.get([a.node.remote() for a in actors], timeout=60))) == 1
+    finally:
+        for actor in actors:
+            ray.kill(actor)
+        placement.close()

@@ -87,6 +87,9 @@ class Placement:
                 else:
                     self.index[role, i] = len(bundles)
                     bundles.append({"CPU": CPU_SHARE, **resources})
+        # Ray keeps resource amounts to 1e-4 and rounds a bundle down: 12 float sums of 0.01
+        # would come out one unit short of the 12 actors that each ask for 0.01.
+        bundles = [{key: round(amount, 4) for key, amount in b.items()} for b in bundles]
         self.resources = {role: resources for role, (_, resources) in roles.items()}
         strategy = "STRICT_PACK" if self.strategy == "colocated" else "SPREAD"
         self.group = placement_group(bundles, strategy=strategy)

@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from torch import Tensor
-from torch.distributed.tensor import DTensor, Shard
 
 
 def chunk_rows(rows: int, world: int, rank: int) -> tuple[int, int]:
@@ -37,6 +36,10 @@ def shard_pieces(
     (``rank == 0``), so exactly one rank sends them. Every ``publish`` takes ``tensors`` computed
     afresh from the current state; the local rows are views of the rank's parameters, no copy.
     """
+    # Imported here: torch.distributed.tensor costs ~0.5 s and ~40 MB, and only a sharded
+    # trainer rank calls this, not the receivers that import this package.
+    from torch.distributed.tensor import DTensor
+
     tensors: dict[str, Tensor] = {}
     rows: dict[str, tuple[int, tuple[int, ...]]] = {}
     for name, tensor in state.items():
@@ -56,8 +59,11 @@ def shard_pieces(
     return tensors, rows
 
 
-def _row_sharded(name: str, tensor: DTensor) -> bool:
-    """True for ``Shard(0)`` on a 1-D mesh, False when every rank holds it whole."""
+def _row_sharded(name: str, tensor: Tensor) -> bool:
+    """True for a DTensor placed ``Shard(0)`` on a 1-D mesh, False when every rank holds it
+    whole."""
+    from torch.distributed.tensor import Shard
+
     placements = tuple(tensor.placements)
     if all(p.is_replicate() for p in placements):
         return False

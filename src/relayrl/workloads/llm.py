@@ -24,6 +24,13 @@ class LLMWorkload:
         if make_env is not None:
             raise ValueError("make_env is for workload=embodied; the LLM workload has no env")
         self.cfg = cfg
+        replicas, bound = cfg.generator.replicas, cfg.max_staleness
+        if cfg.mode == "async" and replicas > bound + 1:
+            say(
+                f"warning: generator.replicas={replicas} but the staleness gate lets at most "
+                f"max_staleness + 1 = {bound + 1} batches be generated at once, so "
+                f"{replicas - bound - 1} replica(s) will wait; raise max_staleness to use them"
+            )
         self.placement: Placement | None = None
         self.trainer = Group("trainer", [])
         self.generators = Group("generator", [])
