@@ -267,3 +267,30 @@ def test_unknown_option_is_a_usage_error(trained, capsys):
     assert info.value.code == 2
     assert "unrecognized arguments: --bogus" in capsys.readouterr().err
     assert trained == []
+
+
+def test_a_run_dir_holding_files_is_refused_unless_overwrite(tmp_path):
+    from relayrl.cli import _claim_run_dir
+
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "summary.json").write_text("{}")
+    with pytest.raises(FileExistsError, match="--overwrite"):
+        _claim_run_dir(str(taken), False, "runs", "x")
+    assert _claim_run_dir(str(taken), True, "runs", "x") == taken
+    assert list(taken.iterdir()) == []  # emptied: nothing of the earlier run mixes in
+
+
+def test_two_runs_started_in_the_same_second_get_two_directories(tmp_path):
+    from relayrl.cli import _claim_run_dir
+
+    first = _claim_run_dir(None, False, str(tmp_path), "arith")
+    second = _claim_run_dir(None, False, str(tmp_path), "arith")
+    assert first != second and first.is_dir() and second.is_dir()
+
+
+def test_the_cli_refuses_an_earlier_runs_directory_at_once(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text("")
+    result = run([sys.executable, "-m", "relayrl.cli", "train", ARITH, f"--run-dir={tmp_path}"])
+    assert result.returncode == 2
+    assert "holds an earlier run's files; pass --overwrite" in result.stderr

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import itertools
+import shutil
 import signal
 import sys
 import time
@@ -44,7 +46,17 @@ def main(argv: list[str] | None = None) -> int:
         help="join an existing Ray cluster (e.g. auto) instead of "
         "starting an embedded one; same as ray.address=...",
     )
-    train.add_argument("--run-dir", default=None, help="write here instead of OUT_DIR/NAME-TIME")
+    train.add_argument(
+        "--run-dir",
+        default=None,
+        help="write here instead of OUT_DIR/NAME-TIME; refused if it holds files, unless "
+        "--overwrite",
+    )
+    train.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="empty a --run-dir that holds an earlier run's files before writing to it",
+    )
     report = commands.add_parser(
         "report",
         help="write RUN_DIR/report.md with plots from a run's files",
@@ -102,10 +114,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from relayrl.controller import train as run_training
 
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    run_dir = (
-        Path(args.run_dir) if args.run_dir else Path(cfg.run.out_dir) / f"{cfg.run.name}-{stamp}"
-    )
+    try:
+        run_dir = _claim_run_dir(args.run_dir, args.overwrite, cfg.run.out_dir, cfg.run.name)
+    except FileExistsError as err:
+        print(f"relayrl: {err}", file=sys.stderr)
+        return 2
     # asyncio.run's own Ctrl-C handler only cancels the loop's main task, which then waits on the
     # tasks it cancels; once a run ignored two Ctrl-Cs that way. Raising at once in the main
     # thread (and so out of the event loop) makes one Ctrl-C stop the run.
@@ -116,6 +129,36 @@ def main(argv: list[str] | None = None) -> int:
         print(f"relayrl: interrupted; partial results in {run_dir}", file=sys.stderr)
         return 130
     return 0
+
+
+def _claim_run_dir(given: str | None, overwrite: bool, out_dir: str, name: str) -> Path:
+    """The run directory, created now so that no other run takes it.
+
+    A ``--run-dir`` that holds files is refused unless ``overwrite`` (then emptied). A generated
+    ``OUT_DIR/NAME-TIMESTAMP`` gets a ``-2``, ``-3`` ... suffix when a run started in the same
+    second already took it.
+    """
+    if given is not None:
+        path = Path(given)
+        if path.is_dir() and any(path.iterdir()):
+            if not overwrite:
+                raise FileExistsError(
+                    f"--run-dir {path} holds an earlier run's files; pass --overwrite to replace "
+                    "them, or choose another directory"
+                )
+            shutil.rmtree(path)
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+    stem = Path(out_dir) / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    for n in itertools.count(1):
+        path = stem if n == 1 else stem.with_name(f"{stem.name}-{n}")
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            continue
+    raise AssertionError("itertools.count never ends")
 
 
 def _interrupt(signum: int, frame: object) -> None:
