@@ -15,7 +15,6 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
-import ray
 import torch
 
 from relayrl.config import Config
@@ -198,10 +197,6 @@ class Generator:
             self.version = stats.version
         self.sync_receive.append(stats.total_s)
         return self.version
-
-    def node(self) -> tuple[str, str]:
-        """The Ray node id and IP address this executor runs on."""
-        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
 
     def sync_stats(self) -> dict:
         """Receiver-side seconds of every receive, in order, from ticket to serving it."""

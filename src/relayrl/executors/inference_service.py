@@ -186,12 +186,6 @@ class InferenceService:
         """Receiver-side seconds of every receive, in order, from ticket to serving it."""
         return {"receive_s": list(self.sync_receive)}
 
-    async def node(self) -> tuple[str, str]:
-        """The Ray node id and IP address this service runs on (inside a Ray actor)."""
-        import ray  # the service also runs without Ray, in tests and benchmarks
-
-        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
-
     async def stats(self) -> dict:
         """Counters since the last ``reset_stats``: requests, forwards, busy seconds, the batch-size
         histogram and per-request latency (queue wait plus forward) in milliseconds."""

@@ -28,7 +28,6 @@ from __future__ import annotations
 import copy
 import math
 
-import ray
 import torch
 
 from relayrl import parallel
@@ -155,10 +154,6 @@ class TrainerCore:
         """Publish the current weights as the current version; returns the receivers' ticket."""
         with self.tracer.span("publish", self.version):
             return self.sync.publish(self.version, self.model.state_dict())
-
-    def node(self) -> tuple[str, str]:
-        """The Ray node id and IP address this executor runs on."""
-        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
 
     def sync_stats(self) -> dict:
         """Trainer-side stall of every publish, in order, and the receivers lost."""
