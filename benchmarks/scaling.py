@@ -86,6 +86,7 @@ from common import git_state, machine, relative, save_result
 from relayrl import parallel
 from relayrl.config import Config, load_config
 from relayrl.controller import run_async
+from relayrl.executors.trainer_core import TrainerCore
 from relayrl.launch import Group, Placement, connect_weight_sync, publish_weights, start_ray, stop
 from relayrl.observability.metrics import MetricsLog, RunTally
 from relayrl.observability.tracing import Span, Tracer, busy_seconds
@@ -145,25 +146,19 @@ class RowShardedSide(TrainerSide):
         return tensors, rows
 
 
-class SimTrainer:
-    """A trainer rank whose step costs ``step_s / world`` seconds of sleep."""
+class SimTrainer(TrainerCore):
+    """A trainer rank whose step costs ``step_s / world`` seconds of sleep; weight sync, version,
+    counters and tracing are the real ``TrainerCore``'s, over a tiny model."""
 
-    name = "trainer"
-
-    def __init__(self, rank: int, world: int, step_s: float, max_staleness: int, sync: dict):
+    def __init__(self, cfg: Config, rank: int, world: int, step_s: float):
         torch.set_num_threads(1)
-        self.rank, self.world = rank, world
+        super().__init__(cfg, tiny_model(), rank=rank, world=world)
         self.step_s = step_s
-        self.max_staleness = max_staleness
-        self.model = tiny_model()
-        self.version = 0
-        self.trained = 0
-        self.dropped_stale = 0
-        self.tracer = Tracer(self.name)
+        self.max_staleness = cfg.max_staleness
         self.sync = RowShardedSide(
-            timeout_s=sync["timeout_s"],
-            bucket_bytes=sync["bucket_mb"] << 20,
-            streams=sync["streams"],
+            timeout_s=cfg.sync.timeout_s,
+            bucket_bytes=cfg.sync.bucket_mb << 20,
+            streams=cfg.sync.streams,
             in_place=False,
             rank=rank,
             world=world,
@@ -195,35 +190,6 @@ class SimTrainer:
                 lags=np.bincount(lag[books & keep], minlength=self.max_staleness + 1).tolist(),
                 train_s=time.perf_counter() - start,
             )
-
-    def open_sync(self, transport: str, receivers: list[str], host: str = "127.0.0.1") -> dict:
-        """Create the weight-sync publisher; returns the address receivers attach to."""
-        return self.sync.open(TRANSPORTS[transport], self.model, receivers, host)
-
-    def connect_sync(self) -> None:
-        """Rendezvous with the receivers."""
-        self.sync.publisher.connect()
-
-    def publish(self) -> Ticket:
-        """Publish this rank's shard of the current weights as the current version."""
-        with self.tracer.span("publish", self.version):
-            return self.sync.publish(self.version, self.model.state_dict())
-
-    def sync_stats(self) -> dict:
-        """Trainer-side stall of every publish, and the receivers lost."""
-        return self.sync.stats()
-
-    def close_sync(self) -> None:
-        """Remove the publisher's shared-memory files."""
-        self.sync.close()
-
-    def stats(self) -> dict[str, float]:
-        """Counters."""
-        return {"version": self.version, "trained": self.trained, "dropped": self.dropped_stale}
-
-    def trace(self) -> tuple[list[Span], list[Span]]:
-        """Busy spans and waits recorded so far."""
-        return self.tracer.spans, self.tracer.waits
 
 
 class SimGenerator:
@@ -345,20 +311,10 @@ class ScalingWorkload(LLMWorkload):
         """Create the simulated trainer ranks, generator and rewarder replicas, placed as
         ``LLMWorkload.place`` places the real ones (no process group: see the module doc)."""
         cfg = self.cfg
-        roles = {
-            "trainer": (cfg.trainer.ranks, cfg.trainer.resources),
-            "generator": (cfg.generator.replicas, cfg.generator.resources),
-            "rewarder": (cfg.rewarder.replicas, cfg.rewarder.resources),
-        }
-        # Placement adds up CPU_SHARE (0.01) per actor in floats and Ray truncates a bundle to
-        # units of 1e-4, so 10 to 14 colocated actors come out 0.0001 CPU short and the last one
-        # never starts (8 replicas + trainer + rewarder hangs). One unused share avoids that here;
-        # the fix belongs in launch.Placement.
-        self.placement = Placement(cfg, roles | {"slack": (1, {})})
-        # Actors get plain numbers, not the Config: unpickling it would import relayrl.config
+        self.placement = Placement(cfg, self.roles())
+        # Replicas get plain numbers, not the Config: unpickling it would import relayrl.config
         # (and what it imports) into every one of up to 64 replica processes.
         at, ranks = self.placement.options, cfg.trainer.ranks
-        sync = {k: getattr(cfg.sync, k) for k in ("timeout_s", "bucket_mb", "streams")}
         shape = {
             k: getattr(cfg.generator, k)
             for k in ("prompts_per_step", "group_size", "max_new_tokens")
@@ -368,7 +324,7 @@ class ScalingWorkload(LLMWorkload):
             [
                 ray.remote(SimTrainer)
                 .options(**at("trainer", r))
-                .remote(r, ranks, self.step_s, cfg.max_staleness, sync)
+                .remote(cfg, r, ranks, self.step_s)
                 for r in range(ranks)
             ],
         )

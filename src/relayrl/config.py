@@ -36,6 +36,15 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, coerce_numbers_to_str=True)
 
 
+def _resources(role: str) -> Any:
+    """The ``resources`` field of a role's section: Ray resources each of its actors needs."""
+    return Field(
+        default_factory=dict,
+        description=f"Ray resources each {role} actor needs, e.g. {{node_type_a: 1}} pins it to "
+        "nodes started with that resource; {}: anywhere.",
+    )
+
+
 class RunConfig(_Section):
     """Where a run writes and how it is seeded."""
 
@@ -145,11 +154,7 @@ class GeneratorConfig(_Section):
         description="Generator replicas, each a weight-sync receiver; in async mode each runs "
         "its own rollout loop behind the one staleness gate.",
     )
-    resources: dict[str, float] = Field(
-        default_factory=dict,
-        description="Ray resources each generator actor needs, e.g. "
-        "{node_type_a: 1} pins it to nodes started with that resource; {}: anywhere.",
-    )
+    resources: dict[str, float] = _resources("generator")
 
 
 class RewarderConfig(_Section):
@@ -166,11 +171,7 @@ class RewarderConfig(_Section):
     replicas: int = Field(
         1, ge=1, description="Rewarder replicas; in async mode each runs its own scoring loop."
     )
-    resources: dict[str, float] = Field(
-        default_factory=dict,
-        description="Ray resources each rewarder actor needs, e.g. "
-        "{node_type_a: 1} pins it to nodes started with that resource; {}: anywhere.",
-    )
+    resources: dict[str, float] = _resources("rewarder")
 
 
 class TrainerConfig(_Section):
@@ -183,11 +184,7 @@ class TrainerConfig(_Section):
         "sharded by FSDP2; each rank trains on its share of every batch, and each publishes its "
         "own shard of the weights to every receiver.",
     )
-    resources: dict[str, float] = Field(
-        default_factory=dict,
-        description="Ray resources each trainer (and replay-buffer) actor needs, e.g. "
-        "{node_type_a: 1} pins it to nodes started with that resource; {}: anywhere.",
-    )
+    resources: dict[str, float] = _resources("trainer (and replay-buffer)")
 
     loss: str = Field(
         "aipo",
@@ -292,11 +289,7 @@ class RolloutConfig(_Section):
     """embodied: rollout workers, one environment each."""
 
     workers: int = Field(8, ge=1, description="Rollout workers (Ray actors).")
-    resources: dict[str, float] = Field(
-        default_factory=dict,
-        description="Ray resources each rollout-worker (and evaluator) actor needs, e.g. "
-        "{node_type_a: 1} pins it to nodes started with that resource; {}: anywhere.",
-    )
+    resources: dict[str, float] = _resources("rollout-worker (and evaluator)")
     segment_len: int = Field(
         32, ge=1, description="Most steps in one trajectory segment (L); episodes are cut."
     )
@@ -345,11 +338,7 @@ class InferenceConfig(_Section):
         description="Inference-service replicas, each a weight-sync receiver; rollout workers "
         "are spread over them in turn.",
     )
-    resources: dict[str, float] = Field(
-        default_factory=dict,
-        description="Ray resources each inference-service actor needs, e.g. "
-        "{node_type_a: 1} pins it to nodes started with that resource; {}: anywhere.",
-    )
+    resources: dict[str, float] = _resources("inference-service")
 
 
 class ReplayConfig(_Section):

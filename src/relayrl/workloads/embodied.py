@@ -304,6 +304,7 @@ class EmbodiedWorkload:
         episodes = sum(t["episodes"] for t in tasks.values())
         occupancy = loop["occupancy"]
         requests = sum(s["requests"] for s in services)
+        forwards = sum(s["forwards"] for s in services)
         return {
             "eval": {"end": end},
             "rollout": {
@@ -329,8 +330,8 @@ class EmbodiedWorkload:
                     "requests": requests,
                     "requests_per_replica": [s["requests"] for s in services],
                     "versions": [s["version"] for s in services],
-                    "forwards": sum(s["forwards"] for s in services),
-                    "mean_batch": requests / max(sum(s["forwards"] for s in services), 1),
+                    "forwards": forwards,
+                    "mean_batch": requests / max(forwards, 1),
                     **{k: services[0][k] for k in ("latency_ms_p50", "latency_ms_p95")},
                 },
             },

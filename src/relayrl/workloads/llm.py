@@ -41,14 +41,7 @@ class LLMWorkload:
         """Create the trainer ranks and the generator and rewarder replicas, and form the
         trainer's process group."""
         cfg = self.cfg
-        self.placement = Placement(
-            cfg,
-            {
-                "trainer": (cfg.trainer.ranks, cfg.trainer.resources),
-                "generator": (cfg.generator.replicas, cfg.generator.resources),
-                "rewarder": (cfg.rewarder.replicas, cfg.rewarder.resources),
-            },
-        )
+        self.placement = Placement(cfg, self.roles())
         at, ranks = self.placement.options, cfg.trainer.ranks
         self.trainer = Group(
             "trainer",
@@ -72,6 +65,15 @@ class LLMWorkload:
             ],
         )
         form_trainer_group(self.trainer)
+
+    def roles(self) -> dict[str, tuple[int, dict[str, float]]]:
+        """Each role's actor count and the Ray resources each of its actors needs."""
+        cfg = self.cfg
+        return {
+            "trainer": (cfg.trainer.ranks, cfg.trainer.resources),
+            "generator": (cfg.generator.replicas, cfg.generator.resources),
+            "rewarder": (cfg.rewarder.replicas, cfg.rewarder.resources),
+        }
 
     def groups(self) -> list[Group]:
         """Trainer ranks, generator replicas, rewarder replicas."""
