@@ -236,8 +236,10 @@ def test_train_hands_the_validated_config_and_run_dir_to_the_controller(trained,
     assert run_dir == tmp_path / "run"
 
 
-def test_ray_address_option_wins_over_an_override(trained):
-    cli.main(["train", str(REPO / ARITH), "ray.address=other", "--ray-address", "auto"])
+def test_ray_address_option_wins_over_an_override(trained, tmp_path):
+    # run.out_dir: the CLI now claims (creates) the run directory before training starts
+    args = ["ray.address=other", f"run.out_dir={tmp_path}", "--ray-address", "auto"]
+    cli.main(["train", str(REPO / ARITH), *args])
 
     assert trained[0][0].ray.address == "auto"
 
