@@ -7,6 +7,7 @@ results.
 """
 
 import os
+import shutil
 import subprocess
 import sys
 import types
@@ -219,7 +220,7 @@ def trained(monkeypatch) -> list:
     """Stands in for relayrl.controller so main() can run to the end without training."""
     calls = []
     controller = types.ModuleType("relayrl.controller")
-    controller.train = lambda cfg, run_dir: calls.append((cfg, run_dir))
+    controller.train = lambda cfg, run_dir, resume=False: calls.append((cfg, run_dir))
     monkeypatch.setitem(sys.modules, "relayrl.controller", controller)
     return calls
 
@@ -296,3 +297,44 @@ def test_the_cli_refuses_an_earlier_runs_directory_at_once(tmp_path):
     result = run([sys.executable, "-m", "relayrl.cli", "train", ARITH, f"--run-dir={tmp_path}"])
     assert result.returncode == 2
     assert "holds an earlier run's files; pass --overwrite" in result.stderr
+
+
+def _run_with_a_checkpoint(tmp_path):
+    """A run directory with a config and one (tiny, valid) run checkpoint."""
+    from relayrl.checkpoint import commit, save_part, staging
+    from relayrl.config import save_config
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    save_config(load_config(REPO / ARITH, ["steps=20"]), run_dir / "config.yaml")
+    commit(staging(run_dir, 4), 4, [save_part(staging(run_dir, 4), "controller", {})], keep=2)
+    return run_dir
+
+
+def test_resume_continues_with_the_runs_own_config_and_allowed_overrides(monkeypatch, tmp_path):
+    calls = []
+    controller = types.ModuleType("relayrl.controller")
+    controller.train = lambda cfg, run_dir, resume=False: calls.append((cfg, run_dir, resume))
+    monkeypatch.setitem(sys.modules, "relayrl.controller", controller)
+    run_dir = _run_with_a_checkpoint(tmp_path)
+
+    assert cli.main(["train", "--resume", str(run_dir), "steps=30", "log.every=5"]) == 0
+    ((cfg, where, resume),) = calls
+    assert (where, resume, cfg.steps, cfg.log.every) == (run_dir, True, 30, 5)
+    assert cfg.task == load_config(REPO / ARITH).task
+
+
+def test_resume_refuses_an_override_that_would_not_match_the_checkpoint(tmp_path, capsys):
+    run_dir = _run_with_a_checkpoint(tmp_path)
+    assert cli.main(["train", "--resume", str(run_dir), "model.hidden_size=64"]) == 2
+    err = capsys.readouterr().err
+    assert "model.hidden_size=64" in err and "may not change" in err
+
+
+def test_resume_of_a_directory_without_a_checkpoint_exits_2_and_says_so(tmp_path, capsys):
+    run_dir = _run_with_a_checkpoint(tmp_path)
+    shutil.rmtree(run_dir / "checkpoints")
+    assert cli.main(["train", "--resume", str(run_dir)]) == 2
+    assert "no usable checkpoint" in capsys.readouterr().err
+    assert cli.main(["train", "--resume", str(tmp_path / "nowhere")]) == 2
+    assert "not a run directory" in capsys.readouterr().err

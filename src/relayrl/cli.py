@@ -9,13 +9,19 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from relayrl.config import ConfigError, load_config
+
+# What an override may change on --resume: everything else must match the checkpoint.
+RESUME_OVERRIDES = ("steps", "log.", "run.checkpoint_every", "run.keep_checkpoints", "ray.")
 
 EPILOG = """examples:
   relayrl train configs/arith.yaml
   relayrl train configs/arith.yaml mode=sync steps=200 trainer.loss=ppo_clip
   relayrl train configs/arith.yaml --ray-address auto
+
+  relayrl train --resume runs/arith-20260101-120000
 
 Overrides use dotted keys (section.key=value); see the config reference in the README."""
 
@@ -38,7 +44,12 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=EPILOG,
     )
-    train.add_argument("config", help="YAML config file, e.g. configs/arith.yaml")
+    train.add_argument(
+        "config",
+        nargs="?",
+        help="YAML config file, e.g. configs/arith.yaml (not with --resume, which reads the "
+        "run's config.yaml)",
+    )
     train.add_argument("overrides", nargs="*", help="a.b=value overrides, applied in order")
     train.add_argument(
         "--ray-address",
@@ -51,6 +62,13 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="write here instead of OUT_DIR/NAME-TIME; refused if it holds files, unless "
         "--overwrite",
+    )
+    train.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        default=None,
+        help="continue the run in RUN_DIR from its newest valid checkpoint; overrides may "
+        f"only change {', '.join(k + '*' if k.endswith('.') else k for k in RESUME_OVERRIDES)}",
     )
     train.add_argument(
         "--overwrite",
@@ -99,6 +117,10 @@ def main(argv: list[str] | None = None) -> int:
     overrides = [*args.overrides, *leftovers]
     if args.ray_address is not None:
         overrides.append(f"ray.address={args.ray_address}")
+    if args.resume is not None:
+        return _resume(args, overrides)
+    if args.config is None:
+        parser.error("a config file is required (or --resume RUN_DIR)")
     try:
         cfg = load_config(args.config, overrides)
     except ConfigError as err:
@@ -112,19 +134,58 @@ def main(argv: list[str] | None = None) -> int:
         print(f"relayrl: data error: {err}", file=sys.stderr)
         return 2
 
-    from relayrl.controller import train as run_training
-
     try:
         run_dir = _claim_run_dir(args.run_dir, args.overwrite, cfg.run.out_dir, cfg.run.name)
     except FileExistsError as err:
         print(f"relayrl: {err}", file=sys.stderr)
         return 2
+    return _run(cfg, run_dir, resume=False)
+
+
+def _resume(args: argparse.Namespace, overrides: list[str]) -> int:
+    """``relayrl train --resume RUN_DIR [overrides]``: the run's own config, a few overrides."""
+    run_dir = Path(args.resume)
+    if args.config is not None:  # argparse fills the optional positional with the first override
+        overrides.insert(0, args.config)
+    if args.run_dir is not None or args.overwrite:
+        print("relayrl: --resume continues RUN_DIR; drop --run-dir/--overwrite", file=sys.stderr)
+        return 2
+    refused = [o for o in overrides if not o.split("=", 1)[0].startswith(RESUME_OVERRIDES)]
+    if refused:
+        print(
+            f"relayrl: config error: a resumed run keeps its config; {refused} may not change "
+            f"(allowed: {', '.join(RESUME_OVERRIDES)})",
+            file=sys.stderr,
+        )
+        return 2
+    if not (run_dir / "config.yaml").is_file():
+        print(f"relayrl: {run_dir} is not a run directory (no config.yaml)", file=sys.stderr)
+        return 2
+    try:
+        cfg = load_config(str(run_dir / "config.yaml"), overrides)
+    except ConfigError as err:
+        print(f"relayrl: config error: {err}", file=sys.stderr)
+        return 2
+    from relayrl.checkpoint import NoCheckpoint, latest
+
+    try:
+        latest(run_dir, warn=lambda line: None)
+    except NoCheckpoint as err:
+        print(f"relayrl: {err}", file=sys.stderr)
+        return 2
+    return _run(cfg, run_dir, resume=True)
+
+
+def _run(cfg: Any, run_dir: Path, *, resume: bool) -> int:
+    from relayrl.controller import train as run_training
+
     # asyncio.run's own Ctrl-C handler only cancels the loop's main task, which then waits on the
-    # tasks it cancels; once a run ignored two Ctrl-Cs that way. Raising at once in the main
-    # thread (and so out of the event loop) makes one Ctrl-C stop the run.
+    # tasks it cancels; once a run ignored two Ctrl-Cs that way. The handler asks the RL loop to
+    # checkpoint and stop after its step; a second Ctrl-C (or one outside the loop) raises at once
+    # in the main thread, and so out of the event loop.
     signal.signal(signal.SIGINT, _interrupt)
     try:
-        run_training(cfg, run_dir)
+        run_training(cfg, run_dir, resume=resume)
     except KeyboardInterrupt:
         print(f"relayrl: interrupted; partial results in {run_dir}", file=sys.stderr)
         return 130
@@ -162,6 +223,15 @@ def _claim_run_dir(given: str | None, overwrite: bool, out_dir: str, name: str) 
 
 
 def _interrupt(signum: int, frame: object) -> None:
+    from relayrl.checkpoint import Checkpointer
+
+    if Checkpointer.request_stop():
+        print(
+            "\nrelayrl: stopping after this step to write a checkpoint (Ctrl-C again: stop now)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return
     raise KeyboardInterrupt
 
 

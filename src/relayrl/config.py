@@ -51,6 +51,15 @@ class RunConfig(_Section):
     name: str = Field("run", description="Run name; the run directory is OUT_DIR/NAME-TIMESTAMP.")
     out_dir: str = Field("runs", description="Parent folder of run directories.")
     seed: int = Field(0, description="Seed for model init, task sampling and generation.")
+    checkpoint_every: int = Field(
+        50,
+        ge=0,
+        description="Write a run checkpoint (RUN_DIR/checkpoints/step-N) every this many RL "
+        "steps, for `relayrl train --resume`; 0 writes none (Ctrl-C still writes one).",
+    )
+    keep_checkpoints: int = Field(
+        2, ge=1, description="How many of the newest run checkpoints to keep."
+    )
 
 
 class ModelConfig(_Section):

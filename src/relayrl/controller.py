@@ -27,6 +27,7 @@ from typing import Any
 import ray
 
 from relayrl.channels.local import Channel
+from relayrl.checkpoint import Checkpointer, merge_spans
 from relayrl.config import Config, save_config
 from relayrl.envs.embodied import EmbodiedEnv
 from relayrl.executors.replay_buffer import ReplayBufferClosed
@@ -47,7 +48,9 @@ from relayrl.types import StepResult
 from relayrl.workloads import WORKLOADS, EmbodiedWorkload, LLMWorkload, Workload
 
 
-async def run_sync(cfg: Config, w: LLMWorkload, tally: RunTally, log: MetricsLog) -> dict:
+async def run_sync(
+    cfg: Config, w: LLMWorkload, tally: RunTally, log: MetricsLog, ckpt: Checkpointer
+) -> dict:
     """generate -> score -> train -> publish, one after the other; strictly on-policy.
 
     A step's calls are submitted at once as a chain of object references: Ray runs each when its
@@ -72,10 +75,13 @@ async def run_sync(cfg: Config, w: LLMWorkload, tally: RunTally, log: MetricsLog
         tally.on_scored(score["busy_s"], score["errors"], score["timeouts"])
         if sum(meta.samples for meta in metas):
             await _log_step(cfg, tally, log, StepResult.merge(results), w.evaluate)
+            await ckpt.maybe()
     return {"in_flight": 0}
 
 
-async def run_async(cfg: Config, w: LLMWorkload, tally: RunTally, log: MetricsLog) -> dict:
+async def run_async(
+    cfg: Config, w: LLMWorkload, tally: RunTally, log: MetricsLog, ckpt: Checkpointer
+) -> dict:
     """Generation, scoring and training overlap, joined by bounded channels.
 
     Each generator replica runs its own rollout loop and each rewarder replica its own scoring
@@ -90,7 +96,7 @@ async def run_async(cfg: Config, w: LLMWorkload, tally: RunTally, log: MetricsLo
     generated: Channel = Channel(cfg.channels.capacity, "generated")
     scored: Channel = Channel(cfg.channels.capacity, "scored", consumer=idle[trainer_name])
     published = asyncio.Condition()
-    started = {"batches": 0}
+    started = {"batches": tally.steps}  # a resumed run has nothing in flight
     held: dict[str, int] = {}  # samples a loop holds between two channels, by loop
 
     async def rollout_loop(name: str, generator: Any) -> None:
@@ -135,6 +141,8 @@ async def run_async(cfg: Config, w: LLMWorkload, tally: RunTally, log: MetricsLo
             await _log_step(cfg, tally, log, result, w.evaluate)
             async with published:
                 published.notify_all()
+            queued = generated.peek() + scored.peek()
+            await ckpt.maybe(in_flight=sum(held.values()) + sum(n for n, _ in queued))
     finally:
         for task in workers:
             task.cancel()
@@ -143,7 +151,9 @@ async def run_async(cfg: Config, w: LLMWorkload, tally: RunTally, log: MetricsLo
     return {"in_flight": sum(held.values()) + sum(samples for samples, _ in left)}
 
 
-async def run_lockstep(cfg: Config, w: EmbodiedWorkload, tally: RunTally, log: MetricsLog) -> dict:
+async def run_lockstep(
+    cfg: Config, w: EmbodiedWorkload, tally: RunTally, log: MetricsLog, ckpt: Checkpointer
+) -> dict:
     """Embodied sync: collect in lockstep, train, publish, one after the other; no overlap.
 
     A round steps every worker with one batched forward pass per inference replica until each
@@ -160,10 +170,13 @@ async def run_lockstep(cfg: Config, w: EmbodiedWorkload, tally: RunTally, log: M
         await asyncio.gather(*publish_weights(w.trainer, w.receivers()))
         result.metrics |= await w.episode_feedback(tally.steps + 1)
         await _log_step(cfg, tally, log, result, w.evaluate)
+        await ckpt.maybe()
     return {"prefetched": 0, "occupancy": []}
 
 
-async def run_streaming(cfg: Config, w: EmbodiedWorkload, tally: RunTally, log: MetricsLog) -> dict:
+async def run_streaming(
+    cfg: Config, w: EmbodiedWorkload, tally: RunTally, log: MetricsLog, ckpt: Checkpointer
+) -> dict:
     """Embodied async: workers, inference replicas and trainer each run their own loop.
 
     Every worker loops observe -> ``act`` on its inference replica (dynamically batched with the
@@ -175,12 +188,20 @@ async def run_streaming(cfg: Config, w: EmbodiedWorkload, tally: RunTally, log: 
     steps of the super-batch fetched but never trained, and the buffer occupancy after each step.
     """
     sink = BufferSink(w.replay_buffer)
-    runs = [
-        asyncio.ensure_future(worker.run.remote(w.service_client(i), sink))
-        for i, worker in enumerate(w.workers)
-    ]
+
+    def start_workers() -> list[asyncio.Future]:
+        return [
+            asyncio.ensure_future(worker.run.remote(w.service_client(i), sink))
+            for i, worker in enumerate(w.workers)
+        ]
+
+    async def stop_workers() -> None:
+        await asyncio.gather(*(worker.stop.remote() for worker in w.workers))
+        await asyncio.gather(*runs)  # each run returns after its last put
+
+    runs = start_workers()
     trainer_idle = tally.idle[w.trainer.names[0]]
-    version, occupancy = 0, []
+    version, occupancy = (await w.trainer[0].stats.remote())["version"], []
     batch_ref = w.replay_buffer.get.remote(cfg.replay.batch_steps, version)
     while tally.steps < cfg.steps:
         start = time.time()
@@ -197,8 +218,14 @@ async def run_streaming(cfg: Config, w: EmbodiedWorkload, tally: RunTally, log: 
         occupancy.append((await w.replay_buffer.stats.remote())["occupancy"])
         result.metrics["replay/occupancy"] = occupancy[-1]
         await _log_step(cfg, tally, log, result, w.evaluate)
-    await asyncio.gather(*(worker.stop.remote() for worker in w.workers))
-    await asyncio.gather(*runs)  # each run returns after its last put
+        if ckpt.due():
+            # With the workers stopped the buffer holds still, and the fetch ahead has taken its
+            # segments or is waiting for more: the books and the snapshot agree.
+            await stop_workers()
+            await ckpt.write(in_flight=await w.prefetched())
+            runs = start_workers()
+            ckpt.after()
+    await stop_workers()
     # No more puts: closing the buffer ends the fetch still waiting, so what it took is exact.
     await w.replay_buffer.close.remote()
     try:
@@ -216,25 +243,37 @@ LOOPS: dict[tuple[str, str], Callable[..., Awaitable[dict]]] = {
 }
 
 
-def train(cfg: Config, run_dir: Path, make_env: Callable[[int], EmbodiedEnv] | None = None) -> dict:
+def train(
+    cfg: Config,
+    run_dir: Path,
+    make_env: Callable[[int], EmbodiedEnv] | None = None,
+    *,
+    resume: bool = False,
+) -> dict:
     """Run a whole job in ``run_dir`` and return its summary (also written to summary.json).
 
     ``make_env`` (seed -> env) replaces the env that ``cfg.env`` describes in an embodied run.
+    ``resume`` continues the run in ``run_dir`` from its newest valid checkpoint instead of
+    starting one: no warm start, metrics and trace go on from the checkpoint's step.
     """
     started = time.time()
     run_dir.mkdir(parents=True, exist_ok=True)
+    workload: Workload = WORKLOADS[cfg.workload](cfg, make_env)
+    tally = RunTally(cfg.steps, cfg.log.progress)
+    Checkpointer.clear_stop()
+    ckpt = Checkpointer(cfg, run_dir, workload, tally, None)
+    parts = ckpt.resume() if resume else None
     save_config(cfg, run_dir / "config.yaml")
     head = {"workload": cfg.workload, "mode": cfg.mode, "run_dir": str(run_dir)}
-    _write_summary(run_dir, head | {"status": "running", "steps": 0})
-    workload: Workload = WORKLOADS[cfg.workload](cfg, make_env)
-    log = MetricsLog(
+    head["resumes"] = ckpt.context.get("resumes", [])
+    _write_summary(run_dir, head | {"status": "running", "steps": tally.steps})
+    log = ckpt.log = MetricsLog(
         run_dir,
         cfg.log.tensorboard,
         cfg.log.wandb_project,
         cfg.log.wandb_mode,
         cfg.model_dump(mode="json"),
     )
-    tally = RunTally(cfg.steps, cfg.log.progress)
     clock = {"rl_start": time.time(), "rl_end": time.time()}
     try:
         say("starting Ray" if cfg.ray.address is None else f"joining Ray at {cfg.ray.address}")
@@ -244,14 +283,19 @@ def train(cfg: Config, run_dir: Path, make_env: Callable[[int], EmbodiedEnv] | N
         placed = topology(workload.groups(), cfg.placement)
         say(f"placed on {placed['nodes']} node(s); connecting weight sync")
         transport = connect_weight_sync(cfg, workload.trainer, workload.receivers())
-        sections = workload.prepare(log)
-        say(f"RL: {cfg.steps} steps, mode={cfg.mode}")
+        if parts is None:
+            ckpt.context = {"sections": workload.prepare(log), "origin": started, "resumes": []}
+        else:
+            ckpt.restore(parts)
+        sections = dict(ckpt.context["sections"])
+        say(f"RL: steps {tally.steps + 1}..{cfg.steps}, mode={cfg.mode}")
         tally.start()
-        clock["rl_start"] = time.time()
-        loop = asyncio.run(LOOPS[cfg.workload, cfg.mode](cfg, workload, tally, log))
+        clock["rl_start"] = ckpt.rl_start = time.time()
+        with ckpt.looping():
+            loop = asyncio.run(LOOPS[cfg.workload, cfg.mode](cfg, workload, tally, log, ckpt))
         clock["rl_end"] = time.time()
         tally.close()
-        rl_wall = clock["rl_end"] - clock["rl_start"]
+        rl_wall = ckpt.context.get("rl_wall_s", 0.0) + clock["rl_end"] - clock["rl_start"]
         for key, value in workload.finish(tally, loop, rl_wall).items():
             sections[key] = sections.get(key, {}) | value
         end = sections["eval"]["end"]
@@ -265,7 +309,7 @@ def train(cfg: Config, run_dir: Path, make_env: Callable[[int], EmbodiedEnv] | N
             ray.get([r.sync_stats.remote() for r in workload.receivers().values()]),
         )
         trace_start = time.time()
-        spans = collect_spans(workload.traced(), tally.idle)
+        spans = merge_spans(ckpt.spans, collect_spans(workload.traced(), tally.idle))
         trace_s = time.time() - trace_start
     except BaseException as err:
         tally.close()
@@ -279,8 +323,12 @@ def train(cfg: Config, run_dir: Path, make_env: Callable[[int], EmbodiedEnv] | N
                 "generated": tally.generated,
                 "trained": tally.trained,
                 "dropped_stale": tally.dropped_stale,
+                "dropped_resume": tally.dropped_resume,
             },
         }
+        if ckpt.written:
+            partial["resume"] = f"relayrl train --resume {run_dir}"
+            say(f"{status}; continue with: {partial['resume']}")
         _write_summary(run_dir, head | partial)
         window = (clock["rl_start"], time.time())
         with contextlib.suppress(Exception):  # best effort: the executors may be gone
@@ -293,9 +341,13 @@ def train(cfg: Config, run_dir: Path, make_env: Callable[[int], EmbodiedEnv] | N
         if ray.is_initialized():
             stop(workload.groups(), workload.placement, workload.closing())
     rl_start, rl_end = clock["rl_start"], clock["rl_end"]
-    busy = {name: busy_seconds(b, rl_start, rl_end) / rl_wall for name, (b, _) in spans.items()}
+    session_wall = rl_end - rl_start
+    busy = {
+        name: busy_seconds(b, rl_start, rl_end) / session_wall for name, (b, _) in spans.items()
+    }
     trace_start = time.time()
-    trace, timeline = save_trace(run_dir, spans, started, (rl_start, rl_end), tally.steps)
+    origin = ckpt.context["origin"]
+    trace, timeline = save_trace(run_dir, spans, origin, (rl_start, rl_end), tally.steps)
     trace_s += time.time() - trace_start
     plot = plot_learning_curve(log.path, run_dir / "learning_curve.png", **workload.legend)
     perf = sections.pop("perf")
@@ -317,6 +369,7 @@ def train(cfg: Config, run_dir: Path, make_env: Callable[[int], EmbodiedEnv] | N
         },
         "artifacts": {
             "checkpoint": checkpoint,
+            "run_checkpoints": [str(p) for p in sorted((run_dir / "checkpoints").glob("step-*"))],
             "metrics": str(log.path),
             "learning_curve": str(plot),
             "trace": str(trace),

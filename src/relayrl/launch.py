@@ -8,6 +8,7 @@ built here (``ENVS``, ``build_env``), because a rollout worker actor gets a fact
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import os
@@ -212,6 +213,25 @@ def publish_weights(trainer: Group, receivers: dict[str, Any]) -> list[Any]:
     return [r.update_weights.remote(*tickets) for r in receivers.values()]
 
 
+async def snapshot(groups: Sequence[Group]) -> dict[str, Any]:
+    """Every member's ``state_dict``, by executor name."""
+    named = {name: a for g in groups for name, a in g.named().items()}
+    states = await asyncio.gather(*(a.state_dict.remote() for a in named.values()))
+    return dict(zip(named, states, strict=True))
+
+
+def restore(groups: Sequence[Group], parts: dict[str, Any]) -> None:
+    """``load_state_dict`` every member from ``parts`` (what ``snapshot`` returned)."""
+    named = {name: a for g in groups for name, a in g.named().items()}
+    missing = sorted(named.keys() - parts.keys())
+    if missing:
+        raise ValueError(
+            f"the checkpoint has no state for {missing}; it holds {sorted(parts)} (was it written "
+            "with other replica counts?)"
+        )
+    ray.get([a.load_state_dict.remote(parts[name]) for name, a in named.items()])
+
+
 def stop(groups: Sequence[Group], placement: Placement | None, closing: Sequence[Any]) -> None:
     """Kill the actors of a run (the Ray instance stays up for the next run) and free their
     placement group, after waiting for the ``closing`` calls (object refs) to end: what a kill
@@ -311,6 +331,15 @@ class TaskSampler:
 
     def __call__(self) -> str:
         return self._rng.choices(self.tasks, self.weights)[0]
+
+    def state_dict(self) -> dict:
+        """The weights and the random state, for a run checkpoint."""
+        return {"weights": list(self.weights), "rng": self._rng.getstate()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what ``state_dict`` saved."""
+        self.weights = list(state["weights"])
+        self._rng.setstate(state["rng"])
 
 
 def set_task_weights(worker: RolloutWorker, weights: list[float]) -> None:

@@ -26,7 +26,7 @@ class EncodingPolicy(torch.nn.Module):
         self.scale = torch.nn.Parameter(torch.tensor(scale))
         self.log: list[tuple] = []
 
-    def act(self, images, instructions, steps, *, greedy=False):
+    def act(self, images, instructions, steps, *, greedy=False, generator=None):
         self.log.append(("start", float(self.scale), len(steps), greedy))
         self.wait_inside()
         pixel = images.float().mean(dim=(1, 2, 3, 4)).round().long()

@@ -207,7 +207,7 @@ class PixelPolicy(torch.nn.Module):
         super().__init__()
         self.unused = torch.nn.Parameter(torch.zeros(1))
 
-    def act(self, images, instructions, steps, *, greedy=False):
+    def act(self, images, instructions, steps, *, greedy=False, generator=None):
         actions = (images.float().mean(dim=(1, 2, 3, 4)) / 10).long().remainder(4)[:, None]
         return actions, torch.full(actions.shape, -1.0), images.float().mean(dim=(1, 2, 3, 4))
 

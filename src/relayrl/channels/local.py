@@ -73,5 +73,9 @@ class Channel(Generic[T]):
             left.append(self._queue.get_nowait())
         return left
 
+    def peek(self) -> list[T]:
+        """What is queued now, oldest first, without taking it."""
+        return list(self._queue._queue)  # asyncio.Queue keeps its items in a deque
+
     def __len__(self) -> int:
         return self._queue.qsize()

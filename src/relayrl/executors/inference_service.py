@@ -46,9 +46,10 @@ class ActingPolicy(Protocol):
         steps: torch.Tensor,
         *,
         greedy: bool = False,
+        generator: torch.Generator | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """images uint8 [B, V, H, W, 3], steps int64 [B] -> (actions int64 [B, D],
-        logprobs float32 [B, D], values float32 [B])."""
+        logprobs float32 [B, D], values float32 [B]); sampling draws from ``generator``."""
         ...
 
 
@@ -91,6 +92,7 @@ class InferenceService:
         version: int = 0,
         threads: int | None = None,
         sync_timeout_s: float = 60.0,
+        seed: int = 0,
     ):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
@@ -102,6 +104,7 @@ class InferenceService:
         self.max_batch = max_batch
         self.max_wait_s = max_wait_ms / 1000.0
         self.version = version
+        self.generator = torch.Generator().manual_seed(seed)  # action sampling; checkpointed
         self.tracer = Tracer(self.name)
         # One thread: forwards and weight loads never run at the same time anyway (the lock), and
         # a single thread keeps torch's thread pool from being oversubscribed.
@@ -224,12 +227,13 @@ class InferenceService:
         return self.tracer.spans, self.tracer.waits
 
     async def state_dict(self) -> dict:
-        """The policy version (weights come from the trainer)."""
-        return {"version": self.version}
+        """The policy version and the sampling generator (weights come from the trainer)."""
+        return {"version": self.version, "generator": self.generator.get_state()}
 
     async def load_state_dict(self, state: dict) -> None:
         """Restore what ``state_dict`` saved."""
         self.version = state["version"]
+        self.generator.set_state(state["generator"])
 
     async def close(self) -> None:
         """Stop batching; requests still waiting fail with ``RuntimeError``."""
@@ -286,7 +290,12 @@ class InferenceService:
             start = time.monotonic()
             with self.tracer.span("forward", version):
                 actions, logprobs, values = await asyncio.get_running_loop().run_in_executor(
-                    self._executor, _run_policy, self.policy, [r.obs for r in requests], greedy
+                    self._executor,
+                    _run_policy,
+                    self.policy,
+                    [r.obs for r in requests],
+                    greedy,
+                    self.generator,
                 )
             end = time.monotonic()
         self._forwards += 1
@@ -310,7 +319,10 @@ def _fail(requests: list[_Request], err: Exception) -> None:
 
 
 def _run_policy(
-    policy: torch.nn.Module, observations: list[Observation], greedy: bool
+    policy: torch.nn.Module,
+    observations: list[Observation],
+    greedy: bool,
+    generator: torch.Generator,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One forward pass: observations -> (actions int64 [B, D], logprobs float32 [B, D],
     values float32 [B]) as numpy arrays."""
@@ -318,7 +330,7 @@ def _run_policy(
     steps = torch.tensor([o.step for o in observations], dtype=torch.int64)
     with torch.no_grad():
         actions, logprobs, values = policy.act(
-            images, [o.instruction for o in observations], steps, greedy=greedy
+            images, [o.instruction for o in observations], steps, greedy=greedy, generator=generator
         )
     batch = len(observations)
     if actions.shape[0] != batch or logprobs.shape != actions.shape or values.shape != (batch,):

@@ -247,6 +247,7 @@ class RolloutWorker:
                 "tasks": {task: dict(counts) for task, counts in self._tasks.items()},
                 "episode": self._episode,
                 "rng": self._rng.getstate(),
+                "task_sampler": _sampler_state(self.task_sampler),
             }
 
     def load_state_dict(self, state: dict) -> None:
@@ -256,6 +257,8 @@ class RolloutWorker:
             self._tasks = {task: dict(counts) for task, counts in state["tasks"].items()}
             self._episode = state["episode"]
             self._rng.setstate(state["rng"])
+            if state.get("task_sampler") is not None:
+                self.task_sampler.load_state_dict(state["task_sampler"])
             self._obs = None
             self._open = None
 
@@ -359,6 +362,12 @@ class _EnvThread:
             self._thread.submit(self.env.close).result()
         finally:
             self._thread.shutdown(wait=False)
+
+
+def _sampler_state(sampler: Callable[[], str] | None) -> dict | None:
+    """A task sampler's state when it keeps one (``launch.TaskSampler`` does), else None."""
+    save = getattr(sampler, "state_dict", None)
+    return save() if save is not None else None
 
 
 def _copy_image(obs: Observation) -> np.ndarray:

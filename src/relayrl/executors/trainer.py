@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from relayrl import parallel
+from relayrl import faults, parallel
 from relayrl.algorithms.advantages import ADVANTAGES, zero_signal_samples
 from relayrl.config import Config
 from relayrl.envs import build_task
@@ -110,6 +110,7 @@ class Trainer(TrainerCore):
     def train_step(self, batch: RolloutBatch) -> StepResult:
         """Drop stale groups, take one optimizer step on the rest, bump the version."""
         with self.tracer.span("train_step", self.version):
+            faults.reach("train_step")
             return self._train_step(batch)
 
     def _train_step(self, batch: RolloutBatch) -> StepResult:

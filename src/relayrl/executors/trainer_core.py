@@ -30,7 +30,7 @@ import math
 
 import torch
 
-from relayrl import parallel
+from relayrl import checkpoint, faults, parallel
 from relayrl.algorithms.losses import LOSS_OPTIONS, LOSSES
 from relayrl.config import Config
 from relayrl.observability.tracing import Span, Tracer
@@ -152,6 +152,7 @@ class TrainerCore:
 
     def publish(self) -> Ticket:
         """Publish the current weights as the current version; returns the receivers' ticket."""
+        faults.reach("publish")
         with self.tracer.span("publish", self.version):
             return self.sync.publish(self.version, self.model.state_dict())
 
@@ -197,6 +198,7 @@ class TrainerCore:
                 "trained": self.trained,
                 "dropped_stale": self.dropped_stale,
                 "skipped_nonfinite": self.skipped_nonfinite,
+                "torch_rng": torch.get_rng_state(),
             }
         )
 
@@ -210,6 +212,17 @@ class TrainerCore:
         self.trained = state["trained"]
         self.dropped_stale = state["dropped_stale"]
         self.skipped_nonfinite = state["skipped_nonfinite"]
+        torch.set_rng_state(state["torch_rng"])
+
+    def save_checkpoint(self, directory: str) -> dict:
+        """Write this rank's ``state_dict`` into a run checkpoint's staging directory as
+        ``trainer_{rank}.pt``; returns its manifest entry."""
+        return checkpoint.save_part(directory, f"trainer_{self.rank}", self.state_dict())
+
+    def load_checkpoint(self, directory: str) -> int:
+        """Restore this rank from a run checkpoint; returns the restored policy version."""
+        self.load_state_dict(checkpoint.load_part(directory, f"trainer_{self.rank}"))
+        return self.version
 
     def _lr_factor(self, update: int) -> float:
         """Multiplier of the learning rate after ``update`` train steps (cosine or constant)."""

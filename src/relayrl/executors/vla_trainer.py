@@ -45,7 +45,7 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor
 
-from relayrl import parallel
+from relayrl import faults, parallel
 from relayrl.algorithms.advantages import gae
 from relayrl.algorithms.normalization import global_normalize
 from relayrl.config import Config
@@ -197,6 +197,7 @@ class VLATrainer(TrainerCore):
     def train_step(self, segments: list[Segment]) -> StepResult:
         """Drop stale segments, update on the rest, bump the version."""
         with self.tracer.span("train_step", self.version):
+            faults.reach("train_step")
             return self._train_step(segments)
 
     def _train_step(self, segments: list[Segment]) -> StepResult:

@@ -208,16 +208,23 @@ class VLAPolicy(nn.Module):
 
     @torch.no_grad()
     def act(
-        self, images: Tensor, instructions: list[str], steps: Tensor, *, greedy: bool = False
+        self,
+        images: Tensor,
+        instructions: list[str],
+        steps: Tensor,
+        *,
+        greedy: bool = False,
+        generator: torch.Generator | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """Sampled (or greedy) actions int64 [B, D], their token log-probs float32 [B, D] and
-        values float32 [B]."""
+        """Sampled (from ``generator``; or greedy) actions int64 [B, D], their token log-probs
+        float32 [B, D] and values float32 [B]."""
         logits, values = self(images, self.tokenize(instructions), steps)
         logp_all = logits.float().log_softmax(-1)
         if greedy:
             actions = logp_all.argmax(-1)
         else:
-            actions = torch.distributions.Categorical(logits=logp_all).sample()
+            probs = logp_all.exp().flatten(0, 1)
+            actions = torch.multinomial(probs, 1, generator=generator).view(logp_all.shape[:2])
         logprobs = logp_all.gather(-1, actions.unsqueeze(-1)).squeeze(-1)
         return actions, logprobs, values.float()
 

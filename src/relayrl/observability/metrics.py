@@ -6,6 +6,7 @@ Metric names are stable namespaces: ``loss/*``, ``rollout/*``, ``perf/*``, ``sta
 
 from __future__ import annotations
 
+import copy
 import json
 import sys
 import time
@@ -83,6 +84,23 @@ class Tracers(dict):
         return self[name]
 
 
+TALLIED = (
+    "steps",
+    "updates",
+    "skipped_nonfinite",
+    "generated",
+    "trained",
+    "dropped_stale",
+    "dropped_resume",
+    "score_errors",
+    "score_timeouts",
+    "lag_hist",
+    "gen_s",
+    "score_s",
+    "train_s",
+)  # what a checkpoint keeps of a RunTally
+
+
 class RunTally:
     """Run-level counts the controller keeps while the loop runs: samples, lags, step times."""
 
@@ -93,6 +111,7 @@ class RunTally:
         self.generated = 0
         self.trained = 0
         self.dropped_stale = 0
+        self.dropped_resume = 0  # in flight at a checkpoint a resume continued from
         self.score_errors = 0
         self.score_timeouts = 0
         self.lag_hist: Counter[int] = Counter()
@@ -111,11 +130,21 @@ class RunTally:
         self._start = time.perf_counter()
         self._bar = tqdm(
             total=self._total,
+            initial=self.steps,
             desc="rl",
             unit="step",
             disable=not self._progress,
             dynamic_ncols=True,
         )
+
+    def state_dict(self) -> dict:
+        """The counts and per-step times, for a run checkpoint."""
+        return {k: copy.deepcopy(getattr(self, k)) for k in TALLIED}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what ``state_dict`` saved."""
+        for key in TALLIED:
+            setattr(self, key, copy.deepcopy(state[key]))
 
     def on_generated(self, samples: int, busy_s: float) -> None:
         """A generate call finished with ``samples`` completed samples."""

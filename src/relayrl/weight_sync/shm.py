@@ -17,6 +17,7 @@ import time
 import uuid
 import warnings
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,6 +37,32 @@ def _map(path: str, nbytes: int, *, create: bool) -> Tensor:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*from_file.*")
         return torch.from_file(path, shared=True, size=max(nbytes, 1), dtype=torch.uint8)
+
+
+PREFIX = "relayrl-sync-"  # then the creating process's pid, a random id, the shard and the part
+
+
+def sweep_orphans(directory: str = "/dev/shm") -> list[str]:
+    """Remove the weight-sync files whose creating process is gone (a killed run leaves its
+    files behind: nothing ran its ``close``); returns their names. The pid in a file's name is
+    only meaningful on this host, which is the only one that sees this ``/dev/shm``."""
+    removed = []
+    for path in Path(directory).glob(f"{PREFIX}*"):
+        pid = path.name.removeprefix(PREFIX).split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            path.unlink(missing_ok=True)
+            removed.append(path.name)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
 
 
 class Publisher:
@@ -60,7 +87,9 @@ class Publisher:
         self.receivers = list(receivers)
         self.timeout_s = timeout_s
         self.shard = shard
-        prefix = os.path.join(directory, f"relayrl-sync-{uuid.uuid4().hex[:12]}-shard{shard}")
+        sweep_orphans(directory)
+        name = f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}-shard{shard}"
+        prefix = os.path.join(directory, name)
         self.paths = [f"{prefix}-slot{i}" for i in range(2)] + [f"{prefix}-header"]
         self.slots = [_map(p, self.layout.nbytes, create=True) for p in self.paths[:2]]
         for slot in self.slots:

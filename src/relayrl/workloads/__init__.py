@@ -39,6 +39,12 @@ class Workload(Protocol):
     def closing(self) -> list[Any]:
         """Calls (object refs) that release what a kill would leave behind."""
 
+    async def snapshot(self) -> dict[str, Any]:
+        """For a run checkpoint: every non-trainer executor's state, by name."""
+
+    def restore(self, parts: dict[str, Any]) -> None:
+        """Load what ``snapshot`` saved (a resume)."""
+
     def prepare(self, log: MetricsLog) -> dict:
         """Before RL: ready version 0 on every receiver and evaluate; returns summary sections."""
 

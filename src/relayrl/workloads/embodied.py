@@ -33,12 +33,16 @@ from relayrl.launch import (
     build_env,
     form_trainer_group,
     publish_weights,
+    restore,
     set_task_weights,
+    snapshot,
     vla_config,
 )
 from relayrl.models.vla import VLAPolicy
 from relayrl.observability.metrics import MetricsLog, RunTally, say
 from relayrl.types import Segment
+
+SERVICE_SEED = 2 * 10**6  # inference replica i samples actions from seed run.seed + this + i
 
 
 class EmbodiedWorkload:
@@ -113,6 +117,7 @@ class EmbodiedWorkload:
                     max_wait_ms=cfg.inference.max_wait_ms,
                     threads=cfg.ray.threads_per_executor,
                     sync_timeout_s=cfg.sync.timeout_s,
+                    seed=cfg.run.seed + SERVICE_SEED + i,
                 )
                 for i in range(replicas)
             ],
@@ -177,6 +182,37 @@ class EmbodiedWorkload:
     def closing(self) -> list[Any]:
         """Close the trainer ranks' publishers."""
         return [r.close_sync.remote() for r in self.trainer]
+
+    async def snapshot(self) -> dict[str, Any]:
+        """For a run checkpoint: the state of the inference replicas (sampling generators), the
+        replay buffer (its segments), rollout workers and evaluators (counters, reset seeds, task
+        samplers) by executor name, and the task choice (DWR, curriculum).
+
+        A worker's state leaves out its episode in progress, so each worker is reloaded from its
+        own state here: the run goes on exactly as a resume from this checkpoint would, each
+        worker starting a fresh episode from the seed the checkpoint records.
+        """
+        parts = await snapshot(self._executors())
+        parts["task_choice"] = self.choice.state_dict()
+        workers = self.workers.named() | self.evaluators.named()
+        await asyncio.gather(*(w.load_state_dict.remote(parts[n]) for n, w in workers.items()))
+        return parts
+
+    def restore(self, parts: dict[str, Any]) -> None:
+        """Load what ``snapshot`` saved."""
+        restore(self._executors(), parts)
+        self.choice.load_state_dict(parts["task_choice"])
+
+    async def prefetched(self) -> int:
+        """Env steps the replay buffer handed out that no trainer rank has received yet (a fetch
+        ahead); only exact while no worker puts."""
+        buffer = await self.replay_buffer.stats.remote()
+        ranks = await asyncio.gather(*(r.stats.remote() for r in self.trainer))
+        received = sum(t["trained"] + t["dropped_stale"] for t in ranks)
+        return buffer["taken_steps"] - received
+
+    def _executors(self) -> list[Group]:
+        return [g for g in self.groups() if g.role != "trainer"]
 
     def prepare(self, log: MetricsLog) -> dict:
         """Publish version 0, pin the evaluators to ``env.eval_tasks``, evaluate, and give the
@@ -289,6 +325,7 @@ class EmbodiedWorkload:
             + buffer["dropped_stale_steps"],
             "dropped_overflow": buffer["dropped_overflow_steps"],
             "dropped_error": sum(w["dropped_error_steps"] for w in workers),
+            "dropped_resume": tally.dropped_resume,
         }
         in_flight = {
             "resident": buffer["resident_steps"],
@@ -377,6 +414,17 @@ class TaskChoice:
             if r.curriculum
             else None
         )
+
+    def state_dict(self) -> dict:
+        """DWR's and the curriculum's state."""
+        c = self.curriculum
+        return {"dwr": self.dwr.state_dict(), "curriculum": c.state_dict() if c else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what ``state_dict`` saved."""
+        self.dwr.load_state_dict(state["dwr"])
+        if self.curriculum is not None:
+            self.curriculum.load_state_dict(state["curriculum"])
 
     def record(self, task: str, success: bool) -> None:
         """One finished training episode."""

@@ -13,7 +13,14 @@ from relayrl.config import Config
 from relayrl.executors.generator import Generator
 from relayrl.executors.rewarder import Rewarder
 from relayrl.executors.trainer import Trainer
-from relayrl.launch import Group, Placement, form_trainer_group, publish_weights
+from relayrl.launch import (
+    Group,
+    Placement,
+    form_trainer_group,
+    publish_weights,
+    restore,
+    snapshot,
+)
 from relayrl.observability.metrics import MetricsLog, RunTally, say
 
 
@@ -93,6 +100,15 @@ class LLMWorkload:
             r.close.remote() for r in self.rewarders
         ]
 
+    async def snapshot(self) -> dict[str, Any]:
+        """For a run checkpoint: every generator's and rewarder's state (unfinished partial
+        rollouts, samplers and random state included), by executor name."""
+        return await snapshot([self.generators, self.rewarders])
+
+    def restore(self, parts: dict[str, Any]) -> None:
+        """Load what ``snapshot`` saved into the generators and rewarders."""
+        restore([self.generators, self.rewarders], parts)
+
     def prepare(self, log: MetricsLog) -> dict:
         """Warm start (publishing version 0 to every replica), then evaluate held-out."""
         warm = self._warm_start()
@@ -147,8 +163,10 @@ class LLMWorkload:
                 "generated": tally.generated,
                 "trained": tally.trained,
                 "dropped_stale": tally.dropped_stale,
+                "dropped_resume": tally.dropped_resume,
                 "in_flight": in_flight,
-                "accounted": tally.generated == tally.trained + tally.dropped_stale + in_flight,
+                "accounted": tally.generated
+                == tally.trained + tally.dropped_stale + tally.dropped_resume + in_flight,
                 "unfinished_partials": sum(s["pending"] for s in stats),
                 "score_errors": tally.score_errors,
                 "score_timeouts": tally.score_timeouts,

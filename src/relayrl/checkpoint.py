@@ -1,0 +1,308 @@
+"""Run checkpoints: written atomically, verified by content hashes, pruned to the newest few.
+
+A checkpoint is a directory ``RUN_DIR/checkpoints/step-00000012`` of ``torch.save`` files, one per
+part (``controller``, ``trainer_0``, ``generator_0``, ...), and a ``manifest.json`` that lists
+every file with its size and SHA-256. It is built under a hidden temporary name, every file and
+the directory are fsynced, and only then is it renamed into place, so a crash mid-write leaves no
+directory that looks finished. Trainer ranks write their own parts (their state never passes
+through the controller); the controller writes the rest and the manifest.
+
+Reading goes newest first and skips (with a message naming it) a checkpoint whose manifest is
+missing or whose files are missing, of another size, or fail their hash.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from relayrl import faults
+
+DIRECTORY = "checkpoints"
+MANIFEST = "manifest.json"
+FORMAT = 1
+
+
+class NoCheckpoint(FileNotFoundError):
+    """The run directory holds no checkpoint that passes its manifest."""
+
+
+def staging(run_dir: Path, step: int) -> Path:
+    """The (emptied) temporary directory the parts of step ``step``'s checkpoint are written to."""
+    path = run_dir / DIRECTORY / f".step-{step:08d}.partial"
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    return path
+
+
+def save_part(directory: Path | str, name: str, state: Any) -> dict:
+    """``torch.save`` ``state`` as ``directory/name.pt``, fsynced; returns its manifest entry."""
+    path = Path(directory) / f"{name}.pt"
+    with path.open("wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    return {"file": path.name, "bytes": path.stat().st_size, "sha256": _sha256(path)}
+
+
+def load_part(directory: Path | str, name: str) -> Any:
+    """What ``save_part`` wrote (pickled objects included: only load checkpoints you wrote)."""
+    return torch.load(Path(directory) / f"{name}.pt", weights_only=False)
+
+
+def commit(staged: Path, step: int, entries: list[dict], keep: int) -> Path:
+    """Write the manifest, fsync, rename ``staged`` to ``step-{step}``, and prune to ``keep``.
+
+    A finished checkpoint of the same step (a resume from an older one reached it again) is
+    replaced. Returns the checkpoint's directory.
+    """
+    manifest = {"format": FORMAT, "step": step, "time": time.time(), "files": entries}
+    path = staged / MANIFEST
+    with path.open("w") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(staged)
+    final = staged.parent / f"step-{step:08d}"
+    if final.exists():
+        shutil.rmtree(final)
+    os.rename(staged, final)
+    _fsync_dir(staged.parent)
+    prune(staged.parent.parent, keep)
+    return final
+
+
+def prune(run_dir: Path, keep: int) -> None:
+    """Delete all but the newest ``keep`` finished checkpoints, and leftover partial ones."""
+    root = run_dir / DIRECTORY
+    if not root.is_dir():
+        return
+    for partial in root.glob(".step-*.partial"):
+        shutil.rmtree(partial, ignore_errors=True)
+    for old in sorted(root.glob("step-*"))[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def latest(run_dir: Path, warn: Any = print) -> Path:
+    """The newest checkpoint of ``run_dir`` that passes its manifest; older ones are tried in turn
+    after ``warn``-ing (one line each) why a newer one was skipped."""
+    root = run_dir / DIRECTORY
+    found = sorted(root.glob("step-*"), reverse=True) if root.is_dir() else []
+    for path in found:
+        problem = verify(path)
+        if problem is None:
+            return path
+        warn(f"skipping checkpoint {path}: {problem}")
+    raise NoCheckpoint(
+        f"{run_dir} holds no usable checkpoint (looked for {root}/step-*/{MANIFEST}); "
+        "run.checkpoint_every sets how often a run writes one"
+    )
+
+
+def verify(path: Path) -> str | None:
+    """Why the checkpoint at ``path`` cannot be used, or None when every file matches."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError) as err:
+        return f"no readable {MANIFEST} ({type(err).__name__})"
+    if manifest.get("format") != FORMAT:
+        return f"format {manifest.get('format')!r}, this relayrl reads {FORMAT}"
+    for entry in manifest["files"]:
+        file = path / entry["file"]
+        if not file.is_file():
+            return f"{entry['file']} is missing"
+        size = file.stat().st_size
+        if size != entry["bytes"]:
+            return f"{entry['file']} has {size} bytes, the manifest says {entry['bytes']}"
+        if _sha256(file) != entry["sha256"]:
+            return f"{entry['file']} fails its SHA-256"
+    return None
+
+
+def step_of(path: Path) -> int:
+    """The RL step a checkpoint directory was written after."""
+    return int(path.name.removeprefix("step-"))
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class Checkpointer:
+    """When a run checkpoints, and what its checkpoint holds.
+
+    The loops call ``maybe`` (or ``due``, ``write`` and ``after``, when they must pause something
+    around the write) between two train steps. A checkpoint is due every ``run.checkpoint_every``
+    steps, and once after ``request_stop`` (the first Ctrl-C), after which ``after`` raises
+    ``KeyboardInterrupt``. ``context`` is the controller's own part: the summary sections of the
+    start, the resumes so far, and whatever else ``train`` needs to continue.
+    """
+
+    _stop_requested = False  # process-wide: set from a signal handler
+    _looping = False
+
+    def __init__(self, cfg: Any, run_dir: Path, workload: Any, tally: Any, log: Any):
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.workload = workload
+        self.tally = tally
+        self.log = log
+        self.context: dict = {}
+        self.spans: dict = {}  # executors' spans of earlier sessions of this run
+        self.rl_start = time.time()
+        self.written: list[Path] = []
+
+    @classmethod
+    def request_stop(cls) -> bool:
+        """Ask the running loop to checkpoint at the end of the step in progress and stop
+        (``after`` raises). False when no loop runs or a stop was already asked for."""
+        if not cls._looping or cls._stop_requested:
+            return False
+        cls._stop_requested = True
+        return True
+
+    @classmethod
+    def clear_stop(cls) -> None:
+        """Forget a stop request (a new run starts)."""
+        cls._stop_requested = False
+
+    def due(self) -> bool:
+        """Whether a checkpoint is due now, between two steps."""
+        steps, every = self.tally.steps, self.cfg.run.checkpoint_every
+        periodic = every > 0 and steps % every == 0 and steps < self.cfg.steps
+        return periodic or self._stop_requested
+
+    async def maybe(self, in_flight: int = 0) -> None:
+        """Write a checkpoint if one is due; ``in_flight``: samples generated but neither trained
+        nor dropped now (a resume counts them as ``samples.dropped_resume``)."""
+        if self.due():
+            await self.write(in_flight)
+        self.after()
+
+    def after(self) -> None:
+        """Raise ``KeyboardInterrupt`` if a stop was requested (its checkpoint is written)."""
+        if self._stop_requested:
+            raise KeyboardInterrupt
+
+    async def write(self, in_flight: int = 0) -> Path:
+        """Write the checkpoint of the current step: trainer ranks write their own parts, every
+        other executor's state and the controller's come through here."""
+        from relayrl.observability.metrics import say
+        from relayrl.observability.tracing import collect_spans
+
+        step, w = self.tally.steps, self.workload
+        # The books first, before any await: async loops go on counting while executors save.
+        controller = self.context | {
+            "tally": self.tally.state_dict(),
+            "in_flight": in_flight,
+            "metrics_bytes": self.log.path.stat().st_size,
+            "rl_wall_s": self.context.get("rl_wall_s", 0.0) + time.time() - self.rl_start,
+        }
+        staged = staging(self.run_dir, step)
+        ranks = [rank.save_checkpoint.remote(str(staged)) for rank in w.trainer]
+        parts = await w.snapshot()
+        controller["spans"] = merge_spans(self.spans, collect_spans(w.traced(), self.tally.idle))
+        entries = [save_part(staged, name, state) for name, state in parts.items()]
+        entries.append(save_part(staged, "controller", controller))
+        entries += await asyncio.gather(*ranks)
+        faults.reach("checkpoint")
+        path = commit(staged, step, entries, self.cfg.run.keep_checkpoints)
+        self.written.append(path)
+        say(f"checkpoint {path.name} written")
+        return path
+
+    @classmethod
+    @contextlib.contextmanager
+    def looping(cls) -> Iterator[None]:
+        """While the RL loop runs, a stop request checkpoints first (see ``request_stop``)."""
+        cls._looping = True
+        try:
+            yield
+        finally:
+            cls._looping = False
+
+    def resume(self) -> dict:
+        """Load the newest valid checkpoint of the run directory into this checkpointer and the
+        tally, cut the metrics back to its step, and return the executors' parts."""
+        from relayrl.observability.metrics import say
+
+        path = latest(self.run_dir, warn=say)
+        parts = self.load(path)
+        self.written.append(path)
+        # What was in flight when the checkpoint was written never reaches this run's trainer.
+        dropped = self.context.pop("in_flight")
+        self.tally.dropped_resume += dropped
+        self.context["resumes"].append(
+            {
+                "step": self.tally.steps,
+                "checkpoint": path.name,
+                "dropped_resume": dropped,
+                "time": time.time(),
+            }
+        )
+        with (self.run_dir / "metrics.jsonl").open("r+b") as f:  # later steps are run again
+            f.truncate(self.context.pop("metrics_bytes"))
+        say(f"resuming {self.run_dir} from {path.name} (step {self.tally.steps})")
+        return parts
+
+    def restore(self, parts: dict) -> None:
+        """Load the checkpoint ``resume`` found into freshly placed executors, and serve its
+        weights to the receivers."""
+        import ray
+
+        from relayrl.launch import publish_weights
+
+        w, path = self.workload, self.written[-1]
+        ray.get([rank.load_checkpoint.remote(str(path)) for rank in w.trainer])
+        w.restore(parts)
+        ray.get(publish_weights(w.trainer, w.receivers()))
+
+    def load(self, path: Path) -> dict:
+        """The executors' parts of the checkpoint at ``path`` (the controller's and the trainer
+        ranks' left out), by executor name; sets ``context`` and ``spans`` from the controller's."""
+        controller = load_part(path, "controller")
+        self.spans = controller.pop("spans")
+        self.tally.load_state_dict(controller.pop("tally"))
+        self.context = controller
+        names = [e["file"].removesuffix(".pt") for e in _manifest(path)["files"]]
+        return {
+            name: load_part(path, name)
+            for name in names
+            if name != "controller" and not name.startswith("trainer_")
+        }
+
+
+def merge_spans(earlier: dict, later: dict) -> dict:
+    """Each executor's (busy, waits) spans of an earlier session followed by a later one's."""
+    names = earlier.keys() | later.keys()
+    empty: tuple[list, list] = ([], [])
+    return {
+        n: tuple(a + b for a, b in zip(earlier.get(n, empty), later.get(n, empty), strict=True))
+        for n in names
+    }
+
+
+def _manifest(path: Path) -> dict:
+    return json.loads((path / MANIFEST).read_text())

@@ -1,0 +1,149 @@
+"""A real ``relayrl train`` process group SIGKILLed during a train step, during weight sync and
+during a checkpoint write; ``relayrl train --resume`` finishes each run with the parameters of
+the uninterrupted run, balanced books, and no shared-memory files or processes left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import TINY, shm_files
+from safetensors.torch import load_file
+
+from relayrl.config import load_config
+from relayrl.controller import train
+from relayrl.faults import PAUSE_AT, PAUSE_MARKER
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN = [
+    *TINY,
+    "mode=sync",
+    "steps=7",
+    "log.every=1",
+    "run.checkpoint_every=2",
+    "run.keep_checkpoints=4",
+    "generator.prompts_per_step=4",
+    "generator.group_size=4",
+    "generator.max_new_tokens=4",
+    "generator.max_new_tokens_per_step=4",
+    "task.digits=1",
+    "task.heldout_size=20",
+    "trainer.lr=1e-2",
+]
+CONFIG = str(ROOT / "configs" / "arith.yaml")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(ray_session, tmp_path_factory) -> dict[str, torch.Tensor]:
+    """The final parameters of the same run, never killed."""
+    run_dir = tmp_path_factory.mktemp("whole") / "run"
+    train(load_config(CONFIG, RUN), run_dir)
+    return load_file(run_dir / "checkpoint" / "model.safetensors")
+
+
+def _cli(*args: str, env: dict | None = None, **kwargs) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "relayrl.cli", "train", *args],
+        env=env or os.environ.copy(),
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,  # its own process group and session, to kill and to look for
+        **kwargs,
+    )
+
+
+def _session_processes(sid: int) -> list[str]:
+    """Live processes of session ``sid`` (Ray moves actors into process groups of their own, so
+    the session, not the group, is what finds what a run started)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid and fields[0] != "Z":
+            found.append(stat.parent.name)
+    return found
+
+
+def _wait_gone(sid: int, timeout_s: float = 60.0) -> list[str]:
+    deadline = time.time() + timeout_s
+    while (left := _session_processes(sid)) and time.time() < deadline:
+        time.sleep(0.5)
+    return left
+
+
+@pytest.mark.parametrize(
+    ("point", "survives"),
+    [
+        ("train_step@3", "step-00000002"),  # step 3: after checkpoint 2
+        ("publish@5", "step-00000002"),  # version 0, steps 1-3, then step 4's publish
+        ("checkpoint@2", "step-00000002"),  # the write of checkpoint 4
+    ],
+)
+def test_a_run_killed_mid_work_resumes_to_the_uninterrupted_result(
+    uninterrupted, tmp_path, point, survives
+):
+    run_dir, marker = tmp_path / "run", tmp_path / "paused"
+    before = shm_files()
+    env = os.environ | {PAUSE_AT: point, PAUSE_MARKER: str(marker)}
+    with (tmp_path / "killed.log").open("w") as log:
+        proc = _cli(CONFIG, "--run-dir", str(run_dir), *RUN, env=env, stdout=log, stderr=log)
+        deadline = time.time() + 180
+        while not marker.exists() and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.2)
+        assert marker.exists(), f"never paused at {point}: {(tmp_path / 'killed.log').read_text()}"
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert _wait_gone(proc.pid) == [], "the killed run left processes behind"
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "running"
+
+    with (tmp_path / "resumed.log").open("w") as log:
+        resumed = _cli("--resume", str(run_dir), stdout=log, stderr=subprocess.STDOUT)
+        assert resumed.wait(timeout=300) == 0, (tmp_path / "resumed.log").read_text()
+    assert _wait_gone(resumed.pid) == [], "the resumed run left processes behind"
+    assert shm_files() <= before, "shared-memory files of the killed run are still there"
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["steps"] == 7
+    assert [r["checkpoint"] for r in summary["resumes"]] == [survives]
+    samples = summary["samples"]
+    assert samples["accounted"] and samples["trained"] == samples["generated"] == 7 * 16
+    final = load_file(run_dir / "checkpoint" / "model.safetensors")
+    assert max((final[k] - uninterrupted[k]).abs().max().item() for k in final) <= 1e-6
+    assert not list((run_dir / "checkpoints").glob(".step-*")), "a partial checkpoint remains"
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+    assert [r["step"] for r in records if "samples/trained" in r] == list(range(1, 8))
+
+
+def test_ctrl_c_writes_a_checkpoint_that_resume_finishes_from(tmp_path):
+    run_dir = tmp_path / "run"
+    run = [*RUN, "steps=12", "run.checkpoint_every=0"]
+    with (tmp_path / "interrupted.log").open("w") as log:
+        proc = _cli(CONFIG, "--run-dir", str(run_dir), *run, stdout=log, stderr=log)
+        metrics, deadline = run_dir / "metrics.jsonl", time.time() + 180
+        while time.time() < deadline and proc.poll() is None:
+            if metrics.exists() and '"samples/trained"' in metrics.read_text():
+                break
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole group
+        assert proc.wait(timeout=120) == 130, (tmp_path / "interrupted.log").read_text()
+    assert _wait_gone(proc.pid) == []
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["resume"].endswith(str(run_dir))
+    stopped_at = summary["steps"]
+    assert 1 <= stopped_at < 12
+    assert [p.name for p in (run_dir / "checkpoints").glob("step-*")] == [f"step-{stopped_at:08d}"]
+
+    with (tmp_path / "resumed.log").open("w") as log:
+        resumed = _cli("--resume", str(run_dir), stdout=log, stderr=subprocess.STDOUT)
+        assert resumed.wait(timeout=300) == 0, (tmp_path / "resumed.log").read_text()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["steps"] == 12
+    assert summary["resumes"][0]["step"] == stopped_at and summary["samples"]["accounted"]

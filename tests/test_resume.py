@@ -1,0 +1,115 @@
+"""Run checkpoints and ``train(resume=True)`` through Ray: a resumed sync run ends with the same
+parameters as the uninterrupted one, an async resume keeps the books and the staleness bound, and
+a checkpoint that fails its hashes is skipped."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from conftest import tiny_config
+from safetensors.torch import load_file
+from test_controller import SMALL as LLM
+from test_embodied import SMALL as EMBODIED
+from test_embodied import check_books
+
+from relayrl.checkpoint import DIRECTORY
+from relayrl.controller import train
+
+
+def _interrupted_copy(run, at: int, tmp_path, corrupt_after: int | None = None):
+    """A run directory as a run killed after step ``at`` (and later) would leave it: the config,
+    the metrics of every step written so far, checkpoint ``at``, and optionally a newer checkpoint
+    whose trainer file is corrupt."""
+    copy = tmp_path / "killed"
+    (copy / DIRECTORY).mkdir(parents=True)
+    for name in ("config.yaml", "metrics.jsonl"):
+        shutil.copy(run / name, copy / name)
+    shutil.copytree(run / DIRECTORY / f"step-{at:08d}", copy / DIRECTORY / f"step-{at:08d}")
+    if corrupt_after is not None:
+        later = copy / DIRECTORY / f"step-{corrupt_after:08d}"
+        shutil.copytree(run / DIRECTORY / f"step-{corrupt_after:08d}", later)
+        data = bytearray((later / "trainer_0.pt").read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        (later / "trainer_0.pt").write_bytes(bytes(data))
+    return copy
+
+
+def _max_difference(a, b) -> float:
+    one, two = (
+        load_file(a / "checkpoint" / "model.safetensors"),
+        load_file(b / "checkpoint" / "model.safetensors"),
+    )
+    assert one.keys() == two.keys()
+    return max((one[k].float() - two[k].float()).abs().max().item() for k in one)
+
+
+def _steps_logged(run) -> list[int]:
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    return [r["step"] for r in map(json.loads, lines) if "samples/trained" in r]
+
+
+def test_a_resumed_sync_llm_run_ends_with_the_uninterrupted_parameters(
+    ray_session, tmp_path, capfd
+):
+    cfg = tiny_config(
+        *LLM, "mode=sync", "steps=7", "run.checkpoint_every=2", "run.keep_checkpoints=3"
+    )
+    whole = train(cfg, tmp_path / "whole")
+    run = tmp_path / "whole"
+    assert [p.name for p in sorted((run / DIRECTORY).glob("step-*"))] == [
+        "step-00000002",
+        "step-00000004",
+        "step-00000006",
+    ]
+    killed = _interrupted_copy(run, 2, tmp_path, corrupt_after=4)
+    resumed = train(cfg, killed, resume=True)
+
+    assert "skipping checkpoint" in capfd.readouterr().err  # the corrupt step-4 one, by name
+    assert resumed["resumes"][0]["step"] == 2
+    assert resumed["resumes"][0]["checkpoint"] == "step-00000002"
+    assert _max_difference(run, killed) <= 1e-6  # 5 steps after the checkpoint
+    assert resumed["samples"] == whole["samples"]
+    assert resumed["samples"]["accounted"]
+    assert _steps_logged(killed) == list(range(1, 8))  # steps 3..7 once, after 1..2
+
+
+def test_a_resumed_lockstep_embodied_run_ends_with_the_uninterrupted_parameters(
+    ray_session, tmp_path
+):
+    cfg = tiny_config(
+        *EMBODIED, "mode=sync", "steps=4", "run.checkpoint_every=1", "run.keep_checkpoints=5"
+    )
+    train(cfg, tmp_path / "whole")
+    run = tmp_path / "whole"
+    killed = _interrupted_copy(run, 1, tmp_path)
+    resumed = train(cfg, killed, resume=True)
+    assert resumed["resumes"][0]["step"] == 1
+    assert _max_difference(run, killed) <= 1e-6
+    samples = check_books(resumed)
+    assert samples["dropped_resume"] == 0 and samples["in_flight"] == 0
+
+
+@pytest.mark.parametrize("workload", ["llm", "embodied"])
+def test_an_async_resume_keeps_the_books_and_the_staleness_bound(ray_session, tmp_path, workload):
+    base = LLM if workload == "llm" else EMBODIED
+    cfg = tiny_config(*base, "mode=async", "steps=6", "max_staleness=1", "run.checkpoint_every=3")
+    train(cfg, tmp_path / "whole")
+    killed = _interrupted_copy(tmp_path / "whole", 3, tmp_path)
+    resumed = train(cfg, killed, resume=True)
+    samples = resumed["samples"]
+    assert samples["accounted"]
+    assert resumed["steps"] == 6 and resumed["resumes"][0]["step"] == 3
+    assert resumed["resumes"][0]["dropped_resume"] == samples["dropped_resume"]
+    assert resumed["staleness"]["max"] <= 1
+    if workload == "embodied":
+        check_books(resumed)
+
+
+def test_resume_without_a_checkpoint_says_so(tmp_path):
+    from relayrl.checkpoint import NoCheckpoint
+
+    cfg = tiny_config(*LLM)
+    with pytest.raises(NoCheckpoint, match="no usable checkpoint"):
+        train(cfg, tmp_path / "empty", resume=True)
