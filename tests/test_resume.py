@@ -30,9 +30,9 @@ def _interrupted_copy(run, at: int, tmp_path, corrupt_after: int | None = None):
     if corrupt_after is not None:
         later = copy / DIRECTORY / f"step-{corrupt_after:08d}"
         shutil.copytree(run / DIRECTORY / f"step-{corrupt_after:08d}", later)
-        data = bytearray((later / "trainer_0.pt").read_bytes())
+        data = bytearray((later / "trainer_1.pt").read_bytes())
         data[len(data) // 2] ^= 0xFF
-        (later / "trainer_0.pt").write_bytes(bytes(data))
+        (later / "trainer_1.pt").write_bytes(bytes(data))
     return copy
 
 
@@ -50,11 +50,13 @@ def _steps_logged(run) -> list[int]:
     return [r["step"] for r in map(json.loads, lines) if "samples/trained" in r]
 
 
-def test_a_resumed_sync_llm_run_ends_with_the_uninterrupted_parameters(
+def test_a_resumed_sync_llm_run_of_two_ranks_ends_with_the_uninterrupted_parameters(
     ray_session, tmp_path, capfd
 ):
     cfg = tiny_config(
-        *LLM, "mode=sync", "steps=7", "run.checkpoint_every=2", "run.keep_checkpoints=3"
+        *LLM,
+        *("mode=sync", "steps=7", "run.checkpoint_every=2", "run.keep_checkpoints=3"),
+        *("trainer.ranks=2", "generator.replicas=2"),  # each rank saves its shards
     )
     whole = train(cfg, tmp_path / "whole")
     run = tmp_path / "whole"
