@@ -199,6 +199,7 @@ def test_async_replicas_with_a_pull_transport_take_only_the_newest_version(ray_s
         "max_staleness=2",
         "generator.replicas=3",
         "sync.transport=object_store",
+        "log.eval_every=3",
     )
     samples, sync = summary["samples"], summary["sync"]
     assert samples["accounted"] and summary["staleness"]["max"] <= 2
@@ -220,6 +221,12 @@ def test_async_replicas_with_a_pull_transport_take_only_the_newest_version(ray_s
         taken = found["update_weights"]
         assert len(taken) == sync["receives"][name] <= len(found["generate"]) + 2
         assert taken == sorted(set(taken)) and taken[-1] == summary["updates"]
+    # Evaluations run on the trainer's newest weights, mid-run as at the end.
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    trained = max((r["version"] for r in records if r["step"] <= 3 and "version" in r), default=0)
+    assert [r["eval/version"] for r in records if r["step"] == 3 and "eval/version" in r] == [
+        trained
+    ]
     assert summary["eval"]["end"]["version"] == summary["updates"]
 
 

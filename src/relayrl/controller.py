@@ -92,7 +92,7 @@ async def run_async(
     newest weights published when its batch starts: a push transport queues every version to
     every replica; with one that lets receivers skip versions, the replica takes only the newest,
     just before the batch. Returns the samples generated but not trained when the last step
-    finished; by then every replica serves the last version.
+    finished, once every replica has been handed the last version.
     """
     idle = tally.idle
     trainer_name = w.trainer.names[0]
@@ -133,8 +133,8 @@ async def run_async(
             await scored.put((samples, scored_ref), idle[name])
             held[name] = 0
 
-    async def evaluate() -> dict:  # on the newest weights, on every replica
-        await asyncio.gather(*sync.refresh(*w.generators.names))
+    async def evaluate() -> dict:  # a replica runs its calls in order: after the newest weights
+        sync.refresh(*w.generators.names)
         return await w.evaluate()
 
     loops = [rollout_loop(n, g) for n, g in w.generators.named().items()]
@@ -153,7 +153,7 @@ async def run_async(
         for task in workers:
             task.cancel()
         await asyncio.gather(*workers, return_exceptions=True)
-    await asyncio.gather(*sync.refresh(*w.generators.names))
+    sync.refresh(*w.generators.names)  # what runs on the replicas next sees the last version
     left = generated.close() + scored.close()
     return {"in_flight": sum(held.values()) + sum(samples for samples, _ in left)}
 
