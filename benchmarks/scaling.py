@@ -920,7 +920,8 @@ def plot(result: dict, path: Path) -> Path:
     ):
         key = "ranks" if sweep == "ranks" else "replicas"
         mine = [p for p in points if p["sweep"] == sweep]
-        if not mine:
+        if not mine:  # a run without this sweep (e.g. --ranks with no value)
+            ax.set_visible(False)
             continue
         for transport in transports:
             line = [p for p in mine if p["transport"] == transport]
@@ -957,8 +958,9 @@ def plot(result: dict, path: Path) -> Path:
                 markersize=9,
                 label=f"max_staleness={p['max_staleness']}, {p['transport']}",
             )
-    left.legend(fontsize=7)
-    middle.legend(fontsize=7)
+    for ax in (left, middle):
+        if ax.get_visible():
+            ax.legend(fontsize=7)
     for transport in transports:
         for sweep, marker in (("replicas", "o"), ("ranks", "s")):
             line = [p for p in points if p["sweep"] == sweep and p["transport"] == transport]
