@@ -4,10 +4,12 @@ simulated compute, on the real controller.
 Two cores cannot show compute scaling, so compute is replaced by a cost model and everything
 else is real: ``controller.run_async`` (its rollout and scoring loops, bounded channels and
 staleness gate), Ray actors placed through ``launch.Placement``, ``launch.connect_weight_sync``
-and, after every train step, ``launch.publish_weights``: every trainer rank ``publish``es through
-a real ``relayrl.weight_sync`` publisher and every generator replica takes all ranks' tickets in
+and its ``WeightSync``: after every train step every trainer rank ``publish``es through a real
+``relayrl.weight_sync`` publisher, and generator replicas take all ranks' tickets in
 ``update_weights`` through a real receiver, into a tiny two-layer model (33 KB; the only torch
-model in any actor). The cost model:
+model in any actor): with shm every replica takes every version, with object_store or disk
+(receivers may skip versions) a replica takes only the newest, just before its next
+``generate``. The cost model:
 
 - generator replica (``SimGenerator``): ``generate`` sleeps ``T`` per token, tokens =
   ``prompts_per_step * group_size * max_new_tokens``, and returns a small ``RolloutBatch`` of that
@@ -87,7 +89,15 @@ from relayrl import parallel
 from relayrl.config import Config, load_config
 from relayrl.controller import run_async
 from relayrl.executors.trainer_core import TrainerCore
-from relayrl.launch import Group, Placement, connect_weight_sync, publish_weights, start_ray, stop
+from relayrl.launch import (
+    Group,
+    Placement,
+    WeightSync,
+    connect_weight_sync,
+    publish_weights,
+    start_ray,
+    stop,
+)
 from relayrl.observability.metrics import MetricsLog, RunTally
 from relayrl.observability.tracing import Span, Tracer, busy_seconds
 from relayrl.types import RolloutBatch, RolloutMeta, StepResult
@@ -669,14 +679,15 @@ def run_point(args: argparse.Namespace, point: dict, tmp: Path, system: list[int
                 ray.get([a.stats.remote() for g in workload.groups() for a in g])
                 ray.get([rank.close_sync.remote() for rank in workload.trainer])
             workload.cfg = cfg
-            transport = connect_weight_sync(cfg, workload.trainer, workload.receivers())
+            sync = connect_weight_sync(cfg, workload.trainer, workload.receivers())
             workload.prepare(None)
             ready_s = time.time() - placing
-            run_dir = tmp / f"{point['sweep']}-{point['replicas']}-{point['ranks']}-{transport}"
+            name = f"{point['sweep']}-{point['replicas']}-{point['ranks']}-{sync.transport}"
+            run_dir = tmp / name
             run_dir.mkdir(parents=True)
             found.append(
-                run_loop(point, workload, cfg, run_dir, system, args.deadline_factor)
-                | {"transport": transport, "ready_s": ready_s}
+                run_loop(point, workload, sync, cfg, run_dir, system, args.deadline_factor)
+                | {"transport": sync.transport, "ready_s": ready_s}
             )
             placing = time.time()
     finally:
@@ -687,6 +698,7 @@ def run_point(args: argparse.Namespace, point: dict, tmp: Path, system: list[int
 def run_loop(
     point: dict,
     workload: ScalingWorkload,
+    sync: WeightSync,
     cfg: Config,
     run_dir: Path,
     system: list[int],
@@ -711,7 +723,7 @@ def run_loop(
     threads = thread_cpu()
     wall, main_cpu, main_thread = time.time(), time.process_time(), time.thread_time()
     try:
-        loop = asyncio.run(asyncio.wait_for(run_async(cfg, workload, tally, log), deadline))
+        loop = asyncio.run(asyncio.wait_for(run_async(cfg, workload, sync, tally, log), deadline))
     except asyncio.TimeoutError:
         loop = {"in_flight": None}
     finally:
@@ -751,6 +763,8 @@ def run_loop(
             "cpu_s_per_step": (time.process_time() - main_cpu) / max(tally.steps, 1),
             "main_thread_cpu_s_per_step": (time.thread_time() - main_thread) / max(tally.steps, 1),
             "in_flight": loop["in_flight"],
+            "publishes": len(stalls[0]),
+            "receives": sum(len(r) for r in receives),
             "cores_used_by": {role: s / loop_wall for role, s in loop_cpu.items()},
             "driver_threads_cores": {
                 name: t / loop_wall
@@ -887,7 +901,8 @@ def brief(p: dict) -> str:
     return (
         f"{p['transport']}: {p['throughput_samples_per_s']:.1f} samples/s (ideal "
         f"{p['ideal_samples_per_s']:.1f}, {p['ratio_to_ideal']:.2f}x), controller CPU "
-        f"{1e3 * p['controller_cpu_s_per_step']:.2f} ms/step, ready in {p['ready_s']:.1f} s, "
+        f"{1e3 * p['controller_cpu_s_per_step']:.2f} ms/step, {p['loop']['receives']} receives "
+        f"for {p['loop']['publishes']} publishes, ready in {p['ready_s']:.1f} s, "
         f"loop {p['loop']['wall_s']:.1f} s{' (cut)' if p['timed_out'] else ''}"
     )
 
@@ -905,7 +920,8 @@ def plot(result: dict, path: Path) -> Path:
     ):
         key = "ranks" if sweep == "ranks" else "replicas"
         mine = [p for p in points if p["sweep"] == sweep]
-        if not mine:
+        if not mine:  # a run without this sweep (e.g. --ranks with no value)
+            ax.set_visible(False)
             continue
         for transport in transports:
             line = [p for p in mine if p["transport"] == transport]
@@ -942,8 +958,9 @@ def plot(result: dict, path: Path) -> Path:
                 markersize=9,
                 label=f"max_staleness={p['max_staleness']}, {p['transport']}",
             )
-    left.legend(fontsize=7)
-    middle.legend(fontsize=7)
+    for ax in (left, middle):
+        if ax.get_visible():
+            ax.legend(fontsize=7)
     for transport in transports:
         for sweep, marker in (("replicas", "o"), ("ranks", "s")):
             line = [p for p in points if p["sweep"] == sweep and p["transport"] == transport]

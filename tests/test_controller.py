@@ -181,12 +181,53 @@ def test_async_replicas_each_generate_score_and_serve_every_version(ray_session,
     assert all(r["tokens_generated"] > 0 for r in replicas.values())
     # every replica is a receiver: after the last step each serves the trainer's last version
     assert all(r["version"] == summary["updates"] for r in replicas.values())
+    sync = summary["sync"]  # shm, a push transport: every replica takes every version
+    assert set(sync["skipped"].values()) == {0}
+    assert set(sync["receives"].values()) == {sync["publishes"]}
     busy = summary["perf"]["busy"]
     assert {"generator_0", "generator_1", "rewarder_0", "rewarder_1", "trainer"} == set(busy)
     assert min(busy.values()) > 0
     roles = summary["topology"]["roles"]
     assert [a["name"] for a in roles["generator"]] == ["generator_0", "generator_1"]
     assert summary["topology"]["placement"] == "colocated" and summary["topology"]["nodes"] == 1
+
+
+def test_async_replicas_with_a_pull_transport_take_only_the_newest_version(ray_session, tmp_path):
+    _, summary = _run(
+        tmp_path,
+        "mode=async",
+        "max_staleness=2",
+        "generator.replicas=3",
+        "sync.transport=object_store",
+        "log.eval_every=3",
+    )
+    samples, sync = summary["samples"], summary["sync"]
+    assert samples["accounted"] and summary["staleness"]["max"] <= 2
+    assert sync["transport"] == "object_store" and sync["lost"] == {}
+    assert sync["publishes"] == summary["updates"] + 1  # version 0, then one per update
+    assert all(
+        n + sync["skipped"][name] == sync["publishes"] for name, n in sync["receives"].items()
+    )
+    # A replica takes version 0, then at most the newest before each batch, then the last one
+    # after the loop: never an older version than it has, never more often than that.
+    trace = json.loads((tmp_path / "run" / "trace.json").read_text())
+    events = trace["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    spans = {name: {"generate": [], "update_weights": []} for name in sync["receives"]}
+    for e in events:
+        if e["ph"] == "X" and names[e["pid"]] in spans and e["name"] in spans[names[e["pid"]]]:
+            spans[names[e["pid"]]][e["name"]].append(e["args"]["version"])
+    for name, found in spans.items():
+        taken = found["update_weights"]
+        assert len(taken) == sync["receives"][name] <= len(found["generate"]) + 2
+        assert taken == sorted(set(taken)) and taken[-1] == summary["updates"]
+    # Evaluations run on the trainer's newest weights, mid-run as at the end.
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    trained = max((r["version"] for r in records if r["step"] <= 3 and "version" in r), default=0)
+    assert [r["eval/version"] for r in records if r["step"] == 3 and "eval/version" in r] == [
+        trained
+    ]
+    assert summary["eval"]["end"]["version"] == summary["updates"]
 
 
 def test_sync_replicas_train_on_both_batches_each_step(ray_session, tmp_path):

@@ -41,7 +41,7 @@ def test_each_rank_sends_its_half_and_every_replica_serves_the_full_weights(
     w = LLMWorkload(cfg)
     try:
         w.place()
-        assert connect_weight_sync(cfg, w.trainer, w.receivers()) == transport
+        assert connect_weight_sync(cfg, w.trainer, w.receivers()).transport == transport
         ray.get(publish_weights(w.trainer, w.receivers()))
         for step in range(2):
             _, batch = w.generators[step % 2].generate.options(num_returns=2).remote()
@@ -61,6 +61,36 @@ def test_each_rank_sends_its_half_and_every_replica_serves_the_full_weights(
         model = sum(t.numel() * t.element_size() for t in _served(w.generators[0]).values())
         assert sum(sent) == model and max(sent) < 0.6 * model
         assert all(s["lost"] == {} for s in stats)
+    finally:
+        stop(w.groups(), w.placement, w.closing())
+
+
+def test_with_a_pull_transport_a_replica_takes_only_the_newest_version_before_it_generates(
+    ray_session,
+):
+    cfg = tiny_config(
+        "generator.replicas=3",
+        "sync.transport=object_store",
+        "generator.prompts_per_step=2",
+        "generator.group_size=2",
+        "task.digits=1",
+        "task.heldout_size=20",
+    )
+    w = LLMWorkload(cfg)
+    try:
+        w.place()
+        sync = connect_weight_sync(cfg, w.trainer, w.receivers())
+        ray.get(publish_weights(w.trainer, w.receivers()))  # version 0 everywhere, as prepare does
+        for _ in range(3):
+            ray.get(w.trainer[0].bump_version.remote())
+            assert sync.publish(fan_out=False) == []
+        assert ray.get(sync.refresh("generator_1")) == [3]
+        meta, batch = ray.get(w.generators[1].generate.options(num_returns=2).remote())
+        assert meta.version == 3 and set(batch.versions[batch.versions >= 0].tolist()) == {3}
+        summary = sync.summary()
+        assert summary["publishes"] == 4 and summary["lost"] == {}
+        assert summary["receives"] == {"generator_0": 1, "generator_1": 2, "generator_2": 1}
+        assert summary["skipped"] == {"generator_0": 3, "generator_1": 2, "generator_2": 3}
     finally:
         stop(w.groups(), w.placement, w.closing())
 

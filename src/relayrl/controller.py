@@ -2,7 +2,9 @@
 
 A loop drives role groups by name. LLM: generator replicas ``generate``, rewarder replicas
 ``score``, every trainer rank ``train_step``s on the same batch (each takes its share) and
-``publish``es its shard, every generator replica ``update_weights`` with all ranks' tickets.
+``publish``es its shard, and a generator replica ``update_weights`` with all ranks' tickets: every
+replica after every publish, or (async, with a transport that lets receivers skip versions) only
+the newest, just before its next ``generate``.
 Embodied: rollout workers step their envs and ask inference replicas for actions; segments reach
 every trainer rank's ``train_step`` (sync: collected here in lockstep; async: fetched from the
 replay buffer one super-batch ahead), and the inference replicas take the new weights. Object
@@ -34,8 +36,8 @@ from relayrl.executors.replay_buffer import ReplayBufferClosed
 from relayrl.launch import (
     BufferSink,
     Group,
+    WeightSync,
     connect_weight_sync,
-    publish_weights,
     start_ray,
     stop,
     topology,
@@ -49,7 +51,12 @@ from relayrl.workloads import WORKLOADS, EmbodiedWorkload, LLMWorkload, Workload
 
 
 async def run_sync(
-    cfg: Config, w: LLMWorkload, tally: RunTally, log: MetricsLog, ckpt: Checkpointer
+    cfg: Config,
+    w: LLMWorkload,
+    sync: WeightSync,
+    tally: RunTally,
+    log: MetricsLog,
+    ckpt: Checkpointer,
 ) -> dict:
     """generate -> score -> train -> publish, one after the other; strictly on-policy.
 
@@ -66,7 +73,7 @@ async def run_sync(
         rewarder = w.rewarders[tally.steps % len(w.rewarders)]
         score_ref, scored_ref = rewarder.score.options(num_returns=2).remote(*batches)
         results = [rank.train_step.remote(scored_ref) for rank in w.trainer]
-        publish_weights(w.trainer, w.receivers())
+        sync.publish()
         metas, score, results = await asyncio.gather(
             asyncio.gather(*metas), score_ref, asyncio.gather(*results)
         )
@@ -80,16 +87,24 @@ async def run_sync(
 
 
 async def run_async(
-    cfg: Config, w: LLMWorkload, tally: RunTally, log: MetricsLog, ckpt: Checkpointer
+    cfg: Config,
+    w: LLMWorkload,
+    sync: WeightSync,
+    tally: RunTally,
+    log: MetricsLog,
+    ckpt: Checkpointer,
 ) -> dict:
     """Generation, scoring and training overlap, joined by bounded channels.
 
     Each generator replica runs its own rollout loop and each rewarder replica its own scoring
     loop. One staleness gate serves them all: batch ``i`` (counted over every replica) starts
-    only once the trainer has consumed batch ``i - max_staleness`` and queued its weights to
-    every replica, so a batch reaches the trainer about ``max_staleness`` versions old at most;
-    the trainer still checks every token and drops (and counts) any group that is older.
-    Returns the samples generated but not trained when the last step finished.
+    only once the trainer has consumed batch ``i - max_staleness`` and published its weights, so
+    a batch reaches the trainer about ``max_staleness`` versions old at most; the trainer still
+    checks every token and drops (and counts) any group that is older. A replica generates on the
+    newest weights published when its batch starts: a push transport queues every version to
+    every replica; with one that lets receivers skip versions, the replica takes only the newest,
+    just before the batch. Returns the samples generated but not trained when the last step
+    finished, once every replica has been handed the last version.
     """
     idle = tally.idle
     trainer_name = w.trainer.names[0]
@@ -109,8 +124,9 @@ async def run_async(
                 await published.wait_for(may_start)
             idle[name].wait("staleness gate", start, time.time())
             started["batches"] += 1
+            updated = sync.refresh(name)  # pull: the newest weights, before this generate
             meta_ref, batch_ref = generator.generate.options(num_returns=2).remote()
-            meta = await meta_ref
+            meta, *_ = await asyncio.gather(meta_ref, *updated)
             tally.on_generated(meta.samples, meta.busy_s)
             if not meta.samples:  # partial rollouts: no group finished in this call
                 started["batches"] -= 1
@@ -129,6 +145,10 @@ async def run_async(
             await scored.put((samples, scored_ref), idle[name])
             held[name] = 0
 
+    async def evaluate() -> dict:  # a replica runs its calls in order: after the newest weights
+        sync.refresh(*w.generators.names)
+        return await w.evaluate()
+
     loops = [rollout_loop(n, g) for n, g in w.generators.named().items()]
     loops += [score_loop(n, r) for n, r in w.rewarders.named().items()]
     workers = [asyncio.create_task(loop) for loop in loops]
@@ -137,8 +157,8 @@ async def run_async(
             _, scored_ref = await _first_or_raise(scored.get(), workers)
             result = await _train_step(w.trainer, scored_ref)
             if result.stepped:
-                publish_weights(w.trainer, w.receivers())
-            await _log_step(cfg, tally, log, result, w.evaluate)
+                sync.publish(fan_out=not sync.skips_versions)
+            await _log_step(cfg, tally, log, result, evaluate)
             async with published:
                 published.notify_all()
             queued = generated.peek() + scored.peek()
@@ -147,12 +167,18 @@ async def run_async(
         for task in workers:
             task.cancel()
         await asyncio.gather(*workers, return_exceptions=True)
+    sync.refresh(*w.generators.names)  # what runs on the replicas next sees the last version
     left = generated.close() + scored.close()
     return {"in_flight": sum(held.values()) + sum(samples for samples, _ in left)}
 
 
 async def run_lockstep(
-    cfg: Config, w: EmbodiedWorkload, tally: RunTally, log: MetricsLog, ckpt: Checkpointer
+    cfg: Config,
+    w: EmbodiedWorkload,
+    sync: WeightSync,
+    tally: RunTally,
+    log: MetricsLog,
+    ckpt: Checkpointer,
 ) -> dict:
     """Embodied sync: collect in lockstep, train, publish, one after the other; no overlap.
 
@@ -167,7 +193,7 @@ async def run_lockstep(
             segments += await w.lockstep(w.workers, [1] * len(w.workers))
         tally.on_generated(sum(len(s) for s in segments), time.time() - start)
         result = await _train_step(w.trainer, ray.put(segments))
-        await asyncio.gather(*publish_weights(w.trainer, w.receivers()))
+        await asyncio.gather(*sync.publish())
         result.metrics |= await w.episode_feedback(tally.steps + 1)
         await _log_step(cfg, tally, log, result, w.evaluate)
         await ckpt.maybe()
@@ -175,7 +201,12 @@ async def run_lockstep(
 
 
 async def run_streaming(
-    cfg: Config, w: EmbodiedWorkload, tally: RunTally, log: MetricsLog, ckpt: Checkpointer
+    cfg: Config,
+    w: EmbodiedWorkload,
+    sync: WeightSync,
+    tally: RunTally,
+    log: MetricsLog,
+    ckpt: Checkpointer,
 ) -> dict:
     """Embodied async: workers, inference replicas and trainer each run their own loop.
 
@@ -213,7 +244,7 @@ async def run_streaming(
         result = await _first_or_raise(_train_step(w.trainer, segments_ref), runs)
         version = result.version
         if result.stepped:
-            publish_weights(w.trainer, w.receivers())
+            sync.publish()
         result.metrics |= await w.episode_feedback(tally.steps + 1)
         occupancy.append((await w.replay_buffer.stats.remote())["occupancy"])
         result.metrics["replay/occupancy"] = occupancy[-1]
@@ -282,7 +313,7 @@ def train(
         workload.place()
         placed = topology(workload.groups(), cfg.placement)
         say(f"placed on {placed['nodes']} node(s); connecting weight sync")
-        transport = connect_weight_sync(cfg, workload.trainer, workload.receivers())
+        sync = connect_weight_sync(cfg, workload.trainer, workload.receivers())
         if parts is None:
             ckpt.context = {"sections": workload.prepare(log), "origin": started, "resumes": []}
         else:
@@ -292,7 +323,7 @@ def train(
         tally.start()
         clock["rl_start"] = ckpt.rl_start = time.time()
         with ckpt.looping():
-            loop = asyncio.run(LOOPS[cfg.workload, cfg.mode](cfg, workload, tally, log, ckpt))
+            loop = asyncio.run(LOOPS[cfg.workload, cfg.mode](cfg, workload, sync, tally, log, ckpt))
         clock["rl_end"] = time.time()
         tally.close()
         rl_wall = ckpt.context.get("rl_wall_s", 0.0) + clock["rl_end"] - clock["rl_start"]
@@ -303,11 +334,7 @@ def train(
         checkpoint = ray.get(
             [rank.save_pretrained.remote(str(run_dir / "checkpoint")) for rank in workload.trainer]
         )[0]
-        sync = _sync_summary(
-            transport,
-            ray.get([rank.sync_stats.remote() for rank in workload.trainer]),
-            ray.get([r.sync_stats.remote() for r in workload.receivers().values()]),
-        )
+        sync_summary = sync.summary()
         trace_start = time.time()
         spans = merge_spans(ckpt.spans, collect_spans(workload.traced(), tally.idle))
         trace_s = time.time() - trace_start
@@ -359,7 +386,7 @@ def train(
         "skipped_nonfinite": tally.skipped_nonfinite,
         "topology": placed,
         **sections,
-        "sync": sync,
+        "sync": sync_summary,
         "perf": {
             "step_time_s": rl_wall / tally.steps,
             "rl_wall_clock_s": rl_wall,
@@ -389,26 +416,6 @@ async def _train_step(trainer: Group, batch_ref: Any) -> StepResult:
     return StepResult.merge(
         await asyncio.gather(*(r.train_step.remote(batch_ref) for r in trainer))
     )
-
-
-def _sync_summary(transport: str, trainer: list[dict], receivers: list[dict]) -> dict:
-    """Weight-sync time per publish: the slowest rank's stall plus the slowest receive.
-
-    The controller pairs every publish with one receive on every receiver, so the lists line up.
-    """
-    stall = [max(s) for s in zip(*(t["stall_s"] for t in trainer), strict=False)]
-    receive = [max(r) for r in zip(*(r["receive_s"] for r in receivers), strict=False)]
-    total = [s + r for s, r in zip(stall, receive, strict=False)]
-    return {
-        "transport": transport,
-        "publishes": len(total),
-        "mean_s": sum(total) / max(len(total), 1),
-        "max_s": max(total, default=0.0),
-        "stall_mean_s": sum(stall) / max(len(stall), 1),
-        "receive_mean_s": sum(receive) / max(len(receive), 1),
-        "lost": {name: why for t in trainer for name, why in t["lost"].items()},
-        "payload_bytes_per_rank": [t["payload_bytes"] for t in trainer],
-    }
 
 
 async def _first_or_raise(awaitable: Awaitable, workers: list[asyncio.Future]) -> Any:

@@ -28,6 +28,7 @@ from relayrl.envs.latency import LatencyEnv
 from relayrl.executors.inference_service import ActReply
 from relayrl.executors.rollout_worker import RolloutWorker
 from relayrl.models.vla import VLAConfig
+from relayrl.weight_sync import TRANSPORTS
 
 # Ray CPUs each actor reserves in its placement-group bundle: enough to make a bundle (Ray refuses
 # empty ones), small enough that many actors on a 2-CPU node leave room for every task. Executors
@@ -177,9 +178,75 @@ def topology(groups: Sequence[Group], placement: str) -> dict:
     }
 
 
-def connect_weight_sync(cfg: Config, trainer: Group, receivers: dict[str, Any]) -> str:
+class WeightSync:
+    """A run's weight sync once connected: the transport, the trainer ranks that publish, the
+    receivers that take, and which publish each receiver was handed last.
+
+    ``publish(fan_out=True)`` hands every publish to every receiver at once, as a push transport
+    (shm, dist) needs. With a pull transport (``Receiver.skips_versions``: object_store, disk) a
+    loop that uses a receiver only now and then may ``publish(fan_out=False)`` and ``refresh`` the
+    receiver just before using it: one receive per use instead of one per publish per receiver,
+    and no calls per receiver after each publish.
+    """
+
+    def __init__(self, transport: str, trainer: Group, receivers: dict[str, Any]):
+        self.transport = transport
+        self.skips_versions = TRANSPORTS[transport].Receiver.skips_versions
+        self.trainer = trainer
+        self.receivers = receivers
+        self.tickets: list[Any] = []  # refs to the newest publish's tickets, one per rank
+        self.publishes = 0
+        # Every receiver holds what the trainer published before the loops (``prepare``).
+        self.handed = dict.fromkeys(receivers, 0)
+
+    def publish(self, fan_out: bool = True) -> list[Any]:
+        """Every trainer rank publishes its shard; with ``fan_out`` every receiver takes the
+        version at once. Returns the receivers' ``update_weights`` refs (each resolves to it)."""
+        if not fan_out and not self.skips_versions:
+            raise ValueError(f"sync.transport={self.transport} needs every receiver to take it")
+        self.tickets = [rank.publish.remote() for rank in self.trainer]
+        self.publishes += 1
+        return self.refresh(*self.receivers) if fan_out else []
+
+    def refresh(self, *names: str) -> list[Any]:
+        """Hand each named receiver the newest publish unless it has it; their ``update_weights``
+        refs (an actor runs its calls in order, so a call submitted next runs on those weights)."""
+        stale = [name for name in names if self.handed[name] < self.publishes]
+        for name in stale:
+            self.handed[name] = self.publishes
+        return [self.receivers[name].update_weights.remote(*self.tickets) for name in stale]
+
+    def summary(self) -> dict:
+        """summary.json's ``sync``: the slowest rank's stall per publish, and every receive.
+
+        Receives are not paired with publishes: a receiver that may skip versions takes only the
+        newest when it is used, so each receiver's receives and the publishes it skipped are
+        counted (those before the loops included; a push transport skips none).
+        """
+        trainer = ray.get([rank.sync_stats.remote() for rank in self.trainer])
+        receivers = ray.get([r.sync_stats.remote() for r in self.receivers.values()])
+        stall = [max(s) for s in zip(*(t["stall_s"] for t in trainer), strict=False)]
+        receive = [r for found in receivers for r in found["receive_s"]]
+        counts = {n: len(r["receive_s"]) for n, r in zip(self.receivers, receivers, strict=True)}
+        stall_mean = sum(stall) / max(len(stall), 1)
+        receive_mean = sum(receive) / max(len(receive), 1)
+        return {
+            "transport": self.transport,
+            "publishes": len(stall),
+            "mean_s": stall_mean + receive_mean,
+            "max_s": max(stall, default=0.0) + max(receive, default=0.0),
+            "stall_mean_s": stall_mean,
+            "receive_mean_s": receive_mean,
+            "receives": counts,
+            "skipped": {name: len(stall) - n for name, n in counts.items()},
+            "lost": {name: why for t in trainer for name, why in t["lost"].items()},
+            "payload_bytes_per_rank": [t["payload_bytes"] for t in trainer],
+        }
+
+
+def connect_weight_sync(cfg: Config, trainer: Group, receivers: dict[str, Any]) -> WeightSync:
     """Open every trainer rank's publisher for ``receivers`` (by name), give each receiver the
-    addresses of all ranks, rendezvous all; returns the transport.
+    addresses of all ranks, rendezvous all.
 
     ``sync.transport=auto`` takes shm only when every receiver shares the trainer's node; a
     transport is one choice for the run, because a receiver takes every rank's shard the same way.
@@ -196,7 +263,7 @@ def connect_weight_sync(cfg: Config, trainer: Group, receivers: dict[str, Any]) 
         [rank.connect_sync.remote() for rank in trainer]
         + [r.connect_sync.remote() for r in receivers.values()]
     )
-    return transport
+    return WeightSync(transport, trainer, receivers)
 
 
 def form_trainer_group(trainer: Group) -> None:

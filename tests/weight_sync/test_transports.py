@@ -254,6 +254,26 @@ def test_shm_publisher_waits_for_the_slot_then_names_a_receiver_that_never_relea
     pub.close()
 
 
+def test_only_the_pull_transports_let_a_receiver_skip_versions() -> None:
+    pulls = {kind for kind, mod in TRANSPORTS.items() if mod.Receiver.skips_versions}
+    assert pulls == {"object_store", "disk"}
+
+
+@pytest.mark.parametrize("kind", ["object_store", "disk"])
+def test_a_pull_receiver_takes_the_newest_of_several_publishes(ray_session, kind: str) -> None:
+    pub, (skipper, follower) = build(kind, ["skipper", "follower"])
+    tickets = [pub.publish(version, trainer_tensors(version)) for version in (1, 2, 3)]
+    follower.receive([tickets[1]])  # disk keeps the newest two files only
+    follower.receive([tickets[2]])
+    skipper.receive([tickets[2]])
+    assert pub.finish() == {}
+    for rcv in (skipper, follower):
+        got = rcv.state.model.state_dict()
+        assert rcv.version == 3
+        assert all(torch.equal(got[name], t) for name, t in trainer_tensors(3).items())
+    pub.close()
+
+
 def test_shm_tells_apart_two_publishes_of_one_version(ray_session) -> None:
     """A warm start publishes version 0 repeatedly; slots are tracked by publish, not version."""
     pub, (rcv,) = build("shm", ["r0"], timeout_s=0.5)

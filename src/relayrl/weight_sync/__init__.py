@@ -30,9 +30,11 @@ serves) the full tensors. An FSDP2 trainer group publishes this way, each rank i
     pub.publish(version, shard_pieces(model.state_dict(), include_replicated=rank == 0)[0])
 
 A ticket is small and picklable; the controller carries it from trainer to receivers, so the
-fan-out stays visible at the call site. A receiver that dies or hangs surfaces within
-``timeout_s`` as a ``ReceiverLost`` naming it (or in ``pub.lost``), and the publisher carries on
-with the receivers that remain.
+fan-out stays visible at the call site. With a pull transport (``Receiver.skips_versions``:
+object_store, disk) a receiver may skip versions and take only the newest ticket; a push
+transport (shm, dist) needs every receiver to take every publish, in order. A receiver that
+dies or hangs surfaces within ``timeout_s`` as a ``ReceiverLost`` naming it (or in ``pub.lost``),
+and the publisher carries on with the receivers that remain.
 """
 
 from __future__ import annotations

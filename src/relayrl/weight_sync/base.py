@@ -52,6 +52,10 @@ class ReceiverBase:
     """The receiver half every transport shares: state, serving, version checks, timing."""
 
     kind = ""
+    # Whether a receiver may skip versions and take only the newest (a pull transport). A push
+    # transport (shm, dist) needs every receiver to take every publish: its publisher waits for
+    # them, or sends to each.
+    skips_versions = False
 
     def __init__(
         self,
