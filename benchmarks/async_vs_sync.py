@@ -54,7 +54,7 @@ import ray
 from common import git_state, machine, relative, save_result
 
 from relayrl.config import load_config
-from relayrl.controller import train
+from relayrl.job import train
 
 matplotlib.use("Agg")  # benchmark machines have no display
 

@@ -59,8 +59,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import git_state, machine, relative, save_result  # noqa: E402
 
 from relayrl.config import load_config  # noqa: E402
-from relayrl.controller import train  # noqa: E402
 from relayrl.envs.latency import DELAYS  # noqa: E402
+from relayrl.job import train  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 MODES = ("sync", "async")

@@ -6,7 +6,7 @@ same number of RL steps from it:
 
 - ``trl``: ``trl.GRPOTrainer`` in this process, on CPU in fp32, with its default loss
   (``loss_type="dapo"``: PPO-clip surrogate, token mean over the batch) and no KL;
-- ``relayrl-sync`` and ``relayrl-async``: ``relayrl.controller.train`` with AIPO, on Ray.
+- ``relayrl-sync`` and ``relayrl-async``: ``relayrl.job.train`` with AIPO, on Ray.
 
 Hyper-parameters come from one relayrl config (``configs/arith.yaml`` plus overrides) and are
 mapped onto ``GRPOConfig``: prompts per step x group size completions per optimizer step,
@@ -61,11 +61,11 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from trl import GRPOConfig, GRPOTrainer
 
 from relayrl.config import Config, load_config
-from relayrl.controller import train
 from relayrl.envs.arithmetic import AdditionTask
 from relayrl.executors.generator import Generator
 from relayrl.executors.rewarder import SCORERS, Rewarder
 from relayrl.executors.trainer import Trainer
+from relayrl.job import train
 from relayrl.models.lm import build_policy, load_tokenizer
 
 matplotlib.use("Agg")  # benchmark machines have no display

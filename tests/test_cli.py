@@ -89,7 +89,7 @@ IMPORTS_AFTER_DATA_ERROR = """
 import sys
 from relayrl.cli import main
 code = main(["train", "configs/arith.yaml", "task.name=dataset", "task.data=none.jsonl"])
-print(",".join(m for m in ("ray", "relayrl.controller") if m in sys.modules))
+print(",".join(m for m in ("ray", "relayrl.job") if m in sys.modules))
 sys.exit(code)
 """
 
@@ -98,7 +98,7 @@ IMPORTS_AFTER_ERROR = """
 import sys
 from relayrl.cli import main
 code = main(["train", "configs/arith.yaml", "trainer.loss=magic"])
-print(",".join(m for m in ("ray", "relayrl.controller", "transformers") if m in sys.modules))
+print(",".join(m for m in ("ray", "relayrl.job", "transformers") if m in sys.modules))
 sys.exit(code)
 """
 
@@ -217,11 +217,11 @@ def test_installed_console_script_exits_2_on_a_config_error(runs):
 
 @pytest.fixture
 def trained(monkeypatch) -> list:
-    """Stands in for relayrl.controller so main() can run to the end without training."""
+    """Stands in for relayrl.job so main() can run to the end without training."""
     calls = []
-    controller = types.ModuleType("relayrl.controller")
+    controller = types.ModuleType("relayrl.job")
     controller.train = lambda cfg, run_dir, resume=False: calls.append((cfg, run_dir))
-    monkeypatch.setitem(sys.modules, "relayrl.controller", controller)
+    monkeypatch.setitem(sys.modules, "relayrl.job", controller)
     return calls
 
 
@@ -313,9 +313,9 @@ def _run_with_a_checkpoint(tmp_path):
 
 def test_resume_continues_with_the_runs_own_config_and_allowed_overrides(monkeypatch, tmp_path):
     calls = []
-    controller = types.ModuleType("relayrl.controller")
+    controller = types.ModuleType("relayrl.job")
     controller.train = lambda cfg, run_dir, resume=False: calls.append((cfg, run_dir, resume))
-    monkeypatch.setitem(sys.modules, "relayrl.controller", controller)
+    monkeypatch.setitem(sys.modules, "relayrl.job", controller)
     run_dir = _run_with_a_checkpoint(tmp_path)
 
     assert cli.main(["train", "--resume", str(run_dir), "steps=30", "log.every=5"]) == 0

@@ -8,8 +8,8 @@ import pytest
 from conftest import shm_files, tiny_config
 from safetensors.torch import load_file
 
-from relayrl.controller import train
 from relayrl.executors.trainer import Trainer
+from relayrl.job import train
 from relayrl.launch import pick_transport
 
 SMALL = [

@@ -13,7 +13,7 @@ from conftest import shm_files, tiny_config
 from safetensors.torch import load_file
 
 from relayrl.config import EnvConfig
-from relayrl.controller import train
+from relayrl.job import train
 from relayrl.launch import BLIND_INSTRUCTION, build_env
 from relayrl.models.vla import VLAConfig, VLAPolicy
 

@@ -18,8 +18,8 @@ from conftest import TINY, shm_files
 from safetensors.torch import load_file
 
 from relayrl.config import load_config
-from relayrl.controller import train
 from relayrl.faults import PAUSE_AT, PAUSE_MARKER
+from relayrl.job import train
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = [

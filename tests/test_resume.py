@@ -15,7 +15,7 @@ from test_embodied import SMALL as EMBODIED
 from test_embodied import check_books
 
 from relayrl.checkpoint import DIRECTORY
-from relayrl.controller import train
+from relayrl.job import train
 
 
 def _interrupted_copy(run, at: int, tmp_path, corrupt_after: int | None = None):

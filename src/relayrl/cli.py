@@ -177,7 +177,7 @@ def _resume(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def _run(cfg: Any, run_dir: Path, *, resume: bool) -> int:
-    from relayrl.controller import train as run_training
+    from relayrl.job import train as run_training
 
     # asyncio.run's own Ctrl-C handler only cancels the loop's main task, which then waits on the
     # tasks it cancels; once a run ignored two Ctrl-Cs that way. The handler asks the RL loop to

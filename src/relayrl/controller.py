@@ -1,53 +1,40 @@
-"""The single controller: the four RL loops, and ``train``, which runs a whole job around them.
+"""The single controller's loops: the four ways a train step is fed, one per workload and mode.
 
 A loop drives role groups by name. LLM: generator replicas ``generate``, rewarder replicas
 ``score``, every trainer rank ``train_step``s on the same batch (each takes its share) and
-``publish``es its shard, and a generator replica ``update_weights`` with all ranks' tickets: every
-replica after every publish, or (async, with a transport that lets receivers skip versions) only
-the newest, just before its next ``generate``.
+``publish``es its shard, and the receivers take the new weights through the run's ``WeightSync``.
 Embodied: rollout workers step their envs and ask inference replicas for actions; segments reach
 every trainer rank's ``train_step`` (sync: collected here in lockstep; async: fetched from the
 replay buffer one super-batch ahead), and the inference replicas take the new weights. Object
-references pass between executors, so rollout tensors never move through here.
+references pass between executors, so rollout tensors never move through here. Between two steps
+each loop lets the ``Checkpointer`` write a run checkpoint when one is due.
 
-What a workload owns (placement, evaluation, its summary sections) is in ``relayrl.workloads``;
-what every run shares (run directory, Ray, weight-sync wiring, staleness gate, tracing,
-checkpoint, failures, the books) is here.
+``relayrl.job.train`` runs a whole job around a loop (run directory, Ray, placement, resume, the
+summary); what a workload owns (placement, evaluation, its summary sections) is in
+``relayrl.workloads``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
-import platform
 import time
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
 import ray
 
 from relayrl.channels.local import Channel
-from relayrl.checkpoint import Checkpointer, merge_spans
-from relayrl.config import Config, save_config
-from relayrl.envs.embodied import EmbodiedEnv
+from relayrl.checkpoint import Checkpointer
+from relayrl.config import Config
 from relayrl.executors.replay_buffer import ReplayBufferClosed
 from relayrl.launch import (
     BufferSink,
     Group,
     WeightSync,
-    connect_weight_sync,
-    start_ray,
-    stop,
-    topology,
 )
-from relayrl.observability.metrics import MetricsLog, RunTally, say
-from relayrl.observability.plots import plot_learning_curve
-from relayrl.observability.report import write_report
-from relayrl.observability.tracing import busy_seconds, collect_spans, save_trace
+from relayrl.observability.metrics import MetricsLog, RunTally
 from relayrl.types import StepResult
-from relayrl.workloads import WORKLOADS, EmbodiedWorkload, LLMWorkload, Workload
+from relayrl.workloads import EmbodiedWorkload, LLMWorkload
 
 
 async def run_sync(
@@ -274,143 +261,6 @@ LOOPS: dict[tuple[str, str], Callable[..., Awaitable[dict]]] = {
 }
 
 
-def train(
-    cfg: Config,
-    run_dir: Path,
-    make_env: Callable[[int], EmbodiedEnv] | None = None,
-    *,
-    resume: bool = False,
-) -> dict:
-    """Run a whole job in ``run_dir`` and return its summary (also written to summary.json).
-
-    ``make_env`` (seed -> env) replaces the env that ``cfg.env`` describes in an embodied run.
-    ``resume`` continues the run in ``run_dir`` from its newest valid checkpoint instead of
-    starting one: no warm start, metrics and trace go on from the checkpoint's step.
-    """
-    started = time.time()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    workload: Workload = WORKLOADS[cfg.workload](cfg, make_env)
-    tally = RunTally(cfg.steps, cfg.log.progress)
-    Checkpointer.clear_stop()
-    ckpt = Checkpointer(cfg, run_dir, workload, tally, None)
-    parts = ckpt.resume() if resume else None
-    save_config(cfg, run_dir / "config.yaml")
-    head = {"workload": cfg.workload, "mode": cfg.mode, "run_dir": str(run_dir)}
-    head["resumes"] = ckpt.context.get("resumes", [])
-    _write_summary(run_dir, head | {"status": "running", "steps": tally.steps})
-    log = ckpt.log = MetricsLog(
-        run_dir,
-        cfg.log.tensorboard,
-        cfg.log.wandb_project,
-        cfg.log.wandb_mode,
-        cfg.model_dump(mode="json"),
-    )
-    clock = {"rl_start": time.time(), "rl_end": time.time()}
-    try:
-        say("starting Ray" if cfg.ray.address is None else f"joining Ray at {cfg.ray.address}")
-        start_ray(cfg)
-        say(f"placing executors ({cfg.placement})")
-        workload.place()
-        placed = topology(workload.groups(), cfg.placement)
-        say(f"placed on {placed['nodes']} node(s); connecting weight sync")
-        sync = connect_weight_sync(cfg, workload.trainer, workload.receivers())
-        if parts is None:
-            ckpt.context = {"sections": workload.prepare(log), "origin": started, "resumes": []}
-        else:
-            ckpt.restore(parts)
-        sections = dict(ckpt.context["sections"])
-        say(f"RL: steps {tally.steps + 1}..{cfg.steps}, mode={cfg.mode}")
-        tally.start()
-        clock["rl_start"] = ckpt.rl_start = time.time()
-        with ckpt.looping():
-            loop = asyncio.run(LOOPS[cfg.workload, cfg.mode](cfg, workload, sync, tally, log, ckpt))
-        clock["rl_end"] = time.time()
-        tally.close()
-        rl_wall = ckpt.context.get("rl_wall_s", 0.0) + clock["rl_end"] - clock["rl_start"]
-        for key, value in workload.finish(tally, loop, rl_wall).items():
-            sections[key] = sections.get(key, {}) | value
-        end = sections["eval"]["end"]
-        log.log(tally.steps, {f"eval/{k}": v for k, v in end.items() if k != "per_task"})
-        checkpoint = ray.get(
-            [rank.save_pretrained.remote(str(run_dir / "checkpoint")) for rank in workload.trainer]
-        )[0]
-        sync_summary = sync.summary()
-        trace_start = time.time()
-        spans = merge_spans(ckpt.spans, collect_spans(workload.traced(), tally.idle))
-        trace_s = time.time() - trace_start
-    except BaseException as err:
-        tally.close()
-        status = "interrupted" if isinstance(err, KeyboardInterrupt) else "failed"
-        partial = {
-            "status": status,
-            "error": repr(err),
-            "steps": tally.steps,
-            "staleness": tally.staleness(),
-            "samples": {
-                "generated": tally.generated,
-                "trained": tally.trained,
-                "dropped_stale": tally.dropped_stale,
-                "dropped_resume": tally.dropped_resume,
-            },
-        }
-        if ckpt.written:
-            partial["resume"] = f"relayrl train --resume {run_dir}"
-            say(f"{status}; continue with: {partial['resume']}")
-        _write_summary(run_dir, head | partial)
-        window = (clock["rl_start"], time.time())
-        with contextlib.suppress(Exception):  # best effort: the executors may be gone
-            save_trace(run_dir, collect_spans(workload.traced(), tally.idle), started, window, 0)
-        with contextlib.suppress(Exception):
-            write_report(run_dir)
-        raise
-    finally:
-        log.close()
-        if ray.is_initialized():
-            stop(workload.groups(), workload.placement, workload.closing())
-    rl_start, rl_end = clock["rl_start"], clock["rl_end"]
-    session_wall = rl_end - rl_start
-    busy = {
-        name: busy_seconds(b, rl_start, rl_end) / session_wall for name, (b, _) in spans.items()
-    }
-    trace_start = time.time()
-    origin = ckpt.context["origin"]
-    trace, timeline = save_trace(run_dir, spans, origin, (rl_start, rl_end), tally.steps)
-    trace_s += time.time() - trace_start
-    plot = plot_learning_curve(log.path, run_dir / "learning_curve.png", **workload.legend)
-    perf = sections.pop("perf")
-    summary = head | {
-        "status": "finished",
-        "wall_clock_s": time.time() - started,
-        "steps": tally.steps,
-        "updates": tally.updates,
-        "skipped_nonfinite": tally.skipped_nonfinite,
-        "topology": placed,
-        **sections,
-        "sync": sync_summary,
-        "perf": {
-            "step_time_s": rl_wall / tally.steps,
-            "rl_wall_clock_s": rl_wall,
-            **perf,
-            "busy": busy | perf.get("busy", {}),
-            "trace_write_s": trace_s,
-        },
-        "artifacts": {
-            "checkpoint": checkpoint,
-            "run_checkpoints": [str(p) for p in sorted((run_dir / "checkpoints").glob("step-*"))],
-            "metrics": str(log.path),
-            "learning_curve": str(plot),
-            "trace": str(trace),
-            "timeline": str(timeline),
-            "report": str(run_dir / "report.md"),
-            "config": str(run_dir / "config.yaml"),
-        },
-        "machine": {"platform": platform.platform(), "python": platform.python_version()},
-    }
-    _write_summary(run_dir, summary)
-    write_report(run_dir)
-    return summary
-
-
 async def _train_step(trainer: Group, batch_ref: Any) -> StepResult:
     """Every trainer rank trains on its share of the batch; one result for the group."""
     return StepResult.merge(
@@ -444,9 +294,3 @@ async def _log_step(
     if cfg.log.eval_every and tally.steps % cfg.log.eval_every == 0 and tally.steps < cfg.steps:
         found = await evaluate()
         log.log(tally.steps, {f"eval/{k}": v for k, v in found.items() if k != "per_task"})
-
-
-def _write_summary(run_dir: Path, summary: dict) -> None:
-    text = json.dumps(summary, indent=2)
-    (run_dir / "summary.json").write_text(text + "\n")
-    print(text, flush=True)
