@@ -30,7 +30,7 @@ def _wired(transport: str) -> tuple[WeightSync, list[tuple[str, tuple]]]:
     calls: list[tuple[str, tuple]] = []
     trainer = Group("trainer", [_Actor(calls, f"trainer_{r}") for r in range(2)])
     receivers = {f"g{i}": _Actor(calls, f"g{i}") for i in range(3)}
-    return WeightSync(transport, trainer, receivers), calls
+    return WeightSync(transport, trainer, receivers, "127.0.0.1"), calls
 
 
 def _updates(calls: list[tuple[str, tuple]]) -> list[tuple[str, tuple]]:

@@ -17,6 +17,7 @@ summary); what a workload owns (placement, evaluation, its summary sections) is 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -33,6 +34,7 @@ from relayrl.launch import (
     WeightSync,
 )
 from relayrl.observability.metrics import MetricsLog, RunTally
+from relayrl.recovery import DEATHS, ExecutorFailed, Recovery, first_line
 from relayrl.types import StepResult
 from relayrl.workloads import EmbodiedWorkload, LLMWorkload
 
@@ -53,17 +55,22 @@ async def run_sync(
     one batch, which every trainer rank trains on. Ray runs an actor's calls in submission order,
     so the next ``generate`` always comes after this step's ``update_weights``.
     """
+    recovery = Recovery(w, sync, tally)
     while tally.steps < cfg.steps:
-        metas, batches = zip(
+        meta_refs, batches = zip(
             *(g.generate.options(num_returns=2).remote() for g in w.generators), strict=True
         )
-        rewarder = w.rewarders[tally.steps % len(w.rewarders)]
-        score_ref, scored_ref = rewarder.score.options(num_returns=2).remote(*batches)
+        r = tally.steps % len(w.rewarders)
+        score_ref, scored_ref = w.rewarders[r].score.options(num_returns=2).remote(*batches)
         results = [rank.train_step.remote(scored_ref) for rank in w.trainer]
         sync.publish()
-        metas, score, results = await asyncio.gather(
-            asyncio.gather(*metas), score_ref, asyncio.gather(*results)
-        )
+        try:
+            metas, score, results = await asyncio.gather(
+                asyncio.gather(*meta_refs), score_ref, asyncio.gather(*results)
+            )
+        except DEATHS as err:  # the step is abandoned; the trainer did not train on it
+            await _recover_sync_step(cfg, w, recovery, meta_refs, r, err)
+            continue
         for meta in metas:
             tally.on_generated(meta.samples, meta.busy_s)
         tally.on_scored(score["busy_s"], score["errors"], score["timeouts"])
@@ -71,6 +78,38 @@ async def run_sync(
             await _log_step(cfg, tally, log, StepResult.merge(results), w.evaluate)
             await ckpt.maybe()
     return {"in_flight": 0}
+
+
+async def _recover_sync_step(
+    cfg: Config, w: LLMWorkload, recovery: Recovery, meta_refs: tuple, r: int, err: Exception
+) -> None:
+    """After a sync step failed: replace the generators and the rewarder that died, and count
+    the batches the live generators finished (never trained) as lost."""
+    for name, rank in w.trainer.named().items():
+        if not await _alive(rank):
+            raise ExecutorFailed(name, first_line(err)) from err
+    metas = await asyncio.gather(*meta_refs, return_exceptions=True)
+    finished = [m for m in metas if not isinstance(m, BaseException)]
+    for meta in finished:
+        recovery.tally.on_generated(meta.samples, meta.busy_s)
+    lost = sum(meta.samples for meta in finished)
+    dead = [(w.generators, i) for i, g in enumerate(w.generators) if not await _alive(g)]
+    dead += [(w.rewarders, r)] if not await _alive(w.rewarders[r]) else []
+    if not dead:
+        raise err
+    batch = cfg.generator.prompts_per_step * cfg.generator.group_size
+    for k, (group, i) in enumerate(dead):
+        unfinished = batch if group is w.generators else 0
+        await recovery.replace(group, i, err, lost=lost if k == 0 else 0, unfinished=unfinished)
+
+
+async def _alive(actor: Any) -> bool:
+    """Whether ``actor`` still answers."""
+    try:
+        await actor.__ray_ready__.remote()
+    except DEATHS:
+        return False
+    return True
 
 
 async def run_async(
@@ -101,19 +140,31 @@ async def run_async(
     started = {"batches": tally.steps}  # a resumed run has nothing in flight
     held: dict[str, int] = {}  # samples a loop holds between two channels, by loop
 
-    async def rollout_loop(name: str, generator: Any) -> None:
+    recovery = Recovery(w, sync, tally)
+    batch = cfg.generator.prompts_per_step * cfg.generator.group_size
+
+    async def rollout_loop(i: int, name: str) -> None:
         def may_start() -> bool:
             return tally.steps >= started["batches"] - cfg.max_staleness
 
+        pending = 0  # unfinished completions the replica holds (partial rollouts)
         while True:
             start = time.time()
             async with published:
                 await published.wait_for(may_start)
             idle[name].wait("staleness gate", start, time.time())
             started["batches"] += 1
-            updated = sync.refresh(name)  # pull: the newest weights, before this generate
-            meta_ref, batch_ref = generator.generate.options(num_returns=2).remote()
-            meta, *_ = await asyncio.gather(meta_ref, *updated)
+            try:
+                async with recovery.lock:  # pull: the newest weights, before this generate
+                    updated = sync.refresh(name)
+                meta_ref, batch_ref = w.generators[i].generate.options(num_returns=2).remote()
+                meta, *_ = await asyncio.gather(meta_ref, *updated)
+            except DEATHS as err:  # its batch in progress and its partial rollouts die with it
+                started["batches"] -= 1
+                await recovery.replace(w.generators, i, err, unfinished=pending + batch)
+                pending = 0
+                continue
+            pending = meta.pending
             tally.on_generated(meta.samples, meta.busy_s)
             if not meta.samples:  # partial rollouts: no group finished in this call
                 started["batches"] -= 1
@@ -122,29 +173,36 @@ async def run_async(
             await generated.put((meta.samples, batch_ref), idle[name])
             held[name] = 0
 
-    async def score_loop(name: str, rewarder: Any) -> None:
+    async def score_loop(i: int, name: str) -> None:
         while True:
             samples, batch_ref = await generated.get(idle[name])
             held[name] = samples
-            score_ref, scored_ref = rewarder.score.options(num_returns=2).remote(batch_ref)
-            score = await score_ref
+            score_ref, scored_ref = w.rewarders[i].score.options(num_returns=2).remote(batch_ref)
+            try:
+                score = await score_ref
+            except DEATHS as err:  # the batch it was scoring dies with it
+                held[name] = 0
+                await recovery.replace(w.rewarders, i, err, lost=samples)
+                continue
             tally.on_scored(score["busy_s"], score["errors"], score["timeouts"])
             await scored.put((samples, scored_ref), idle[name])
             held[name] = 0
 
     async def evaluate() -> dict:  # a replica runs its calls in order: after the newest weights
-        sync.refresh(*w.generators.names)
+        async with recovery.lock:
+            sync.refresh(*w.generators.names)
         return await w.evaluate()
 
-    loops = [rollout_loop(n, g) for n, g in w.generators.named().items()]
-    loops += [score_loop(n, r) for n, r in w.rewarders.named().items()]
+    loops = [rollout_loop(i, n) for i, n in enumerate(w.generators.names)]
+    loops += [score_loop(i, n) for i, n in enumerate(w.rewarders.names)]
     workers = [asyncio.create_task(loop) for loop in loops]
     try:
         while tally.steps < cfg.steps:
             _, scored_ref = await _first_or_raise(scored.get(), workers)
             result = await _train_step(w.trainer, scored_ref)
             if result.stepped:
-                sync.publish(fan_out=not sync.skips_versions)
+                async with recovery.lock:
+                    sync.publish(fan_out=not sync.skips_versions)
             await _log_step(cfg, tally, log, result, evaluate)
             async with published:
                 published.notify_all()
@@ -262,10 +320,18 @@ LOOPS: dict[tuple[str, str], Callable[..., Awaitable[dict]]] = {
 
 
 async def _train_step(trainer: Group, batch_ref: Any) -> StepResult:
-    """Every trainer rank trains on its share of the batch; one result for the group."""
-    return StepResult.merge(
-        await asyncio.gather(*(r.train_step.remote(batch_ref) for r in trainer))
-    )
+    """Every trainer rank trains on its share of the batch; one result for the group. A rank
+    that died stops the run, naming it."""
+    calls = [r.train_step.remote(batch_ref) for r in trainer]
+    try:
+        return StepResult.merge(await asyncio.gather(*calls))
+    except DEATHS as err:
+        for name, call in zip(trainer.names, calls, strict=True):
+            with contextlib.suppress(*DEATHS):
+                await call
+                continue
+            raise ExecutorFailed(name, first_line(err)) from err
+        raise
 
 
 async def _first_or_raise(awaitable: Awaitable, workers: list[asyncio.Future]) -> Any:

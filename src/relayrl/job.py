@@ -28,6 +28,7 @@ from relayrl.observability.metrics import MetricsLog, RunTally, say
 from relayrl.observability.plots import plot_learning_curve
 from relayrl.observability.report import write_report
 from relayrl.observability.tracing import busy_seconds, collect_spans, save_trace
+from relayrl.recovery import ExecutorFailed
 from relayrl.workloads import WORKLOADS, Workload
 
 
@@ -108,8 +109,12 @@ def train(
                 "trained": tally.trained,
                 "dropped_stale": tally.dropped_stale,
                 "dropped_resume": tally.dropped_resume,
+                "lost": tally.lost,
             },
+            "failures": tally.failure_summary(),
         }
+        if isinstance(err, ExecutorFailed):
+            partial["failed_executor"] = err.name
         if ckpt.written:
             partial["resume"] = f"relayrl train --resume {run_dir}"
             say(f"{status}; continue with: {partial['resume']}")
@@ -141,6 +146,7 @@ def train(
         "steps": tally.steps,
         "updates": tally.updates,
         "skipped_nonfinite": tally.skipped_nonfinite,
+        "failures": tally.failure_summary(),
         "topology": placed,
         **sections,
         "sync": sync_summary,

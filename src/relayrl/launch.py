@@ -189,8 +189,9 @@ class WeightSync:
     and no calls per receiver after each publish.
     """
 
-    def __init__(self, transport: str, trainer: Group, receivers: dict[str, Any]):
+    def __init__(self, transport: str, trainer: Group, receivers: dict[str, Any], host: str):
         self.transport = transport
+        self.host = host  # where the trainer ranks' publishers listen (dist)
         self.skips_versions = TRANSPORTS[transport].Receiver.skips_versions
         self.trainer = trainer
         self.receivers = receivers
@@ -215,6 +216,27 @@ class WeightSync:
         for name in stale:
             self.handed[name] = self.publishes
         return [self.receivers[name].update_weights.remote(*self.tickets) for name in stale]
+
+    def open(self) -> None:
+        """Open every trainer rank's publisher for the receivers (by name), give each receiver
+        the addresses of all ranks, rendezvous all. Opening again replaces the publishers."""
+        names = list(self.receivers)
+        addresses = ray.get(
+            [rank.open_sync.remote(self.transport, names, self.host) for rank in self.trainer]
+        )
+        ray.get([r.open_sync.remote(addresses, name) for name, r in self.receivers.items()])
+        ray.get(
+            [rank.connect_sync.remote() for rank in self.trainer]
+            + [r.connect_sync.remote() for r in self.receivers.values()]
+        )
+
+    async def reconnect(self, receivers: dict[str, Any]) -> None:
+        """Weight sync to ``receivers`` (a replaced one among them): new publishers, every
+        receiver attached to them, and the trainer's weights published to all."""
+        self.receivers = receivers
+        await asyncio.gather(*(rank.close_sync.remote() for rank in self.trainer))
+        await asyncio.to_thread(self.open)
+        await asyncio.gather(*self.publish())
 
     def summary(self) -> dict:
         """summary.json's ``sync``: the slowest rank's stall per publish, and every receive.
@@ -256,14 +278,9 @@ def connect_weight_sync(cfg: Config, trainer: Group, receivers: dict[str, Any]) 
         + [r.__ray_call__.remote(node_of) for r in receivers.values()]
     )
     transport = pick_transport(cfg.sync.transport, trainer_node, [node for node, _ in nodes])
-    names = list(receivers)
-    addresses = ray.get([rank.open_sync.remote(transport, names, trainer_ip) for rank in trainer])
-    ray.get([r.open_sync.remote(addresses, name) for name, r in receivers.items()])
-    ray.get(
-        [rank.connect_sync.remote() for rank in trainer]
-        + [r.connect_sync.remote() for r in receivers.values()]
-    )
-    return WeightSync(transport, trainer, receivers)
+    sync = WeightSync(transport, trainer, receivers, trainer_ip)
+    sync.open()
+    return sync
 
 
 def form_trainer_group(trainer: Group) -> None:

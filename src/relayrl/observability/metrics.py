@@ -92,6 +92,8 @@ TALLIED = (
     "trained",
     "dropped_stale",
     "dropped_resume",
+    "lost",
+    "failures",
     "score_errors",
     "score_timeouts",
     "lag_hist",
@@ -112,6 +114,8 @@ class RunTally:
         self.trained = 0
         self.dropped_stale = 0
         self.dropped_resume = 0  # in flight at a checkpoint a resume continued from
+        self.lost = 0  # counted as generated, then died with an executor
+        self.failures: list[dict] = []  # executors that died and were replaced
         self.score_errors = 0
         self.score_timeouts = 0
         self.lag_hist: Counter[int] = Counter()
@@ -145,6 +149,18 @@ class RunTally:
         """Restore what ``state_dict`` saved."""
         for key in TALLIED:
             setattr(self, key, copy.deepcopy(state[key]))
+
+    def on_failure(self, record: dict) -> None:
+        """An executor died (``record``: role, name, time, step, reason, lost, unfinished)."""
+        self.failures.append(record)
+        self.lost += record["lost"]
+
+    def failure_summary(self) -> dict:
+        """summary.json's ``failures``: each role's deaths, oldest first."""
+        by_role: dict[str, list[dict]] = {}
+        for record in self.failures:
+            by_role.setdefault(record["role"], []).append(record)
+        return by_role
 
     def on_generated(self, samples: int, busy_s: float) -> None:
         """A generate call finished with ``samples`` completed samples."""

@@ -73,6 +73,17 @@ class LLMWorkload:
         )
         form_trainer_group(self.trainer)
 
+    def recreate(self, role: str, index: int, incarnation: int) -> Any:
+        """A new generator or rewarder replica in the bundle of replica ``index``; the
+        ``incarnation``-th replacement samples from seeds of its own."""
+        at, cfg = self.placement.options, self.cfg
+        if role == "generator":
+            replica = index + incarnation * cfg.generator.replicas
+            return ray.remote(Generator).options(**at(role, index)).remote(cfg, replica=replica)
+        if role == "rewarder":
+            return ray.remote(Rewarder).options(**at(role, index)).remote(cfg)
+        raise ValueError(f"a {role} is not replaced: only generator and rewarder replicas are")
+
     def roles(self) -> dict[str, tuple[int, dict[str, float]]]:
         """Each role's actor count and the Ray resources each of its actors needs."""
         cfg = self.cfg
@@ -164,9 +175,15 @@ class LLMWorkload:
                 "trained": tally.trained,
                 "dropped_stale": tally.dropped_stale,
                 "dropped_resume": tally.dropped_resume,
+                "lost": tally.lost,
+                "lost_unfinished": sum(f["unfinished"] for f in tally.failures),
                 "in_flight": in_flight,
                 "accounted": tally.generated
-                == tally.trained + tally.dropped_stale + tally.dropped_resume + in_flight,
+                == tally.trained
+                + tally.dropped_stale
+                + tally.dropped_resume
+                + tally.lost
+                + in_flight,
                 "unfinished_partials": sum(s["pending"] for s in stats),
                 "score_errors": tally.score_errors,
                 "score_timeouts": tally.score_timeouts,

@@ -1,0 +1,102 @@
+"""Executors killed mid-run (``ray.kill`` and ``os.kill`` of the actor's process): the run replaces
+them, reconnects weight sync, reports the failures and what was lost, and keeps its books."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import pytest
+import ray
+from conftest import tiny_config
+from test_controller import SMALL
+
+from relayrl import job
+from relayrl.recovery import ExecutorFailed
+from relayrl.workloads import LLMWorkload
+
+
+class Kept(LLMWorkload):
+    """The LLM workload, kept where a test can reach its actors."""
+
+    made: list[LLMWorkload] = []
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        Kept.made.append(self)
+
+
+def _pid(actor) -> int:
+    return ray.get(actor.__ray_call__.remote(lambda _: os.getpid()), timeout=60)
+
+
+def _kill_at(run_dir, kills: list[tuple[int, str, int, str]]) -> threading.Thread:
+    """Kill ``(step, role, index, how)``: once ``metrics.jsonl`` shows step ``step``, the actor
+    ``role[index]`` of the run, by ``ray.kill`` or ``os.kill``."""
+
+    def reached() -> int:
+        path = run_dir / "metrics.jsonl"
+        if not path.exists():
+            return -1
+        steps = [json.loads(line)["step"] for line in path.read_text().splitlines()]
+        return max(steps, default=-1)
+
+    def kill() -> None:
+        for step, role, index, how in kills:
+            while reached() < step:
+                time.sleep(0.05)
+            workload = Kept.made[-1]
+            actor = {g.role: g for g in workload.groups()}[role][index]
+            if how == "ray.kill":
+                ray.kill(actor)
+            else:
+                os.kill(_pid(actor), signal.SIGKILL)
+
+    thread = threading.Thread(target=kill, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_killed_generators_and_rewarders_are_replaced_and_the_books_balance(
+    ray_session, tmp_path, monkeypatch, mode
+):
+    monkeypatch.setitem(job.WORKLOADS, "llm", Kept)
+    cfg = tiny_config(
+        *SMALL, f"mode={mode}", "steps=8", "generator.replicas=2", "rewarder.replicas=1"
+    )
+    run_dir = tmp_path / "run"
+    kills = [(2, "generator", 0, "ray.kill"), (4, "rewarder", 0, "os.kill")]
+    killer = _kill_at(run_dir, kills)
+    summary = job.train(cfg, run_dir)
+    killer.join(timeout=1)
+
+    assert summary["status"] == "finished" and summary["steps"] == 8
+    failures = summary["failures"]
+    assert [f["name"] for f in failures["generator"]] == ["generator_0"]
+    assert [f["name"] for f in failures["rewarder"]] == ["rewarder"]
+    assert all(f["reason"] and f["time"] > 0 for fs in failures.values() for f in fs)
+    samples = summary["samples"]
+    assert samples["accounted"]
+    assert samples["lost"] == sum(f["lost"] for fs in failures.values() for f in fs)
+    assert samples["lost_unfinished"] >= 16  # the generator's batch in progress
+    # Every replica, the replacements included, serves the trainer's last version at the end.
+    versions = [r["version"] for r in summary["generation"]["replicas"].values()]
+    assert versions == [summary["eval"]["end"]["version"]] * 2
+    assert summary["staleness"]["max"] <= cfg.max_staleness
+
+
+def test_a_dead_trainer_rank_fails_the_run_and_names_it(ray_session, tmp_path, monkeypatch):
+    monkeypatch.setitem(job.WORKLOADS, "llm", Kept)
+    cfg = tiny_config(*SMALL, "mode=async", "steps=20", "run.checkpoint_every=2")
+    run_dir = tmp_path / "run"
+    killer = _kill_at(run_dir, [(3, "trainer", 0, "os.kill")])
+    with pytest.raises(ExecutorFailed, match="trainer died"):
+        job.train(cfg, run_dir)
+    killer.join(timeout=1)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["failed_executor"] == "trainer"
+    assert summary["resume"] == f"relayrl train --resume {run_dir}"
