@@ -80,7 +80,8 @@ def changed_parameters(summary: dict, seed: int) -> list[str]:
 def check_books(summary: dict) -> dict:
     samples = summary["samples"]
     accounted = samples["trained"] + samples["dropped_stale"] + samples["dropped_overflow"]
-    accounted += samples["dropped_error"] + samples["dropped_resume"] + samples["in_flight"]
+    accounted += samples["dropped_error"] + samples["dropped_resume"] + samples["lost"]
+    accounted += samples["in_flight"]
     assert samples["accounted"] and samples["generated"] == accounted > 0
     return samples
 

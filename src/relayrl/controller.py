@@ -17,7 +17,6 @@ summary); what a workload owns (placement, evaluation, its summary sections) is 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -34,7 +33,7 @@ from relayrl.launch import (
     WeightSync,
 )
 from relayrl.observability.metrics import MetricsLog, RunTally
-from relayrl.recovery import DEATHS, ExecutorFailed, Recovery, first_line
+from relayrl.recovery import DEATHS, ExecutorFailed, Recovery, WorkerRuns, alive, first_line
 from relayrl.types import StepResult
 from relayrl.workloads import EmbodiedWorkload, LLMWorkload
 
@@ -86,30 +85,21 @@ async def _recover_sync_step(
     """After a sync step failed: replace the generators and the rewarder that died, and count
     the batches the live generators finished (never trained) as lost."""
     for name, rank in w.trainer.named().items():
-        if not await _alive(rank):
+        if not await alive(rank):
             raise ExecutorFailed(name, first_line(err)) from err
     metas = await asyncio.gather(*meta_refs, return_exceptions=True)
     finished = [m for m in metas if not isinstance(m, BaseException)]
     for meta in finished:
         recovery.tally.on_generated(meta.samples, meta.busy_s)
     lost = sum(meta.samples for meta in finished)
-    dead = [(w.generators, i) for i, g in enumerate(w.generators) if not await _alive(g)]
-    dead += [(w.rewarders, r)] if not await _alive(w.rewarders[r]) else []
+    dead = [(w.generators, i) for i, g in enumerate(w.generators) if not await alive(g)]
+    dead += [(w.rewarders, r)] if not await alive(w.rewarders[r]) else []
     if not dead:
         raise err
     batch = cfg.generator.prompts_per_step * cfg.generator.group_size
     for k, (group, i) in enumerate(dead):
         unfinished = batch if group is w.generators else 0
         await recovery.replace(group, i, err, lost=lost if k == 0 else 0, unfinished=unfinished)
-
-
-async def _alive(actor: Any) -> bool:
-    """Whether ``actor`` still answers."""
-    try:
-        await actor.__ray_ready__.remote()
-    except DEATHS:
-        return False
-    return True
 
 
 async def run_async(
@@ -232,13 +222,24 @@ async def run_lockstep(
     super-batch holds ``replay.batch_steps`` env steps. No segment is left open between rounds,
     so every step trained was chosen by the current weights: every lag is 0.
     """
+    recovery = Recovery(w, sync, tally)
     while tally.steps < cfg.steps:
         start, segments = time.time(), []
         while sum(len(s) for s in segments) < cfg.replay.batch_steps:
-            segments += await w.lockstep(w.workers, [1] * len(w.workers))
+            try:
+                await w.lockstep(w.workers, [1] * len(w.workers), into=segments)
+            except DEATHS as err:
+                w.note(segments)  # the books the dead worker's last segments carry
+                await w.revive(recovery, err)
+        w.note(segments)
         tally.on_generated(sum(len(s) for s in segments), time.time() - start)
         result = await _train_step(w.trainer, ray.put(segments))
-        await asyncio.gather(*sync.publish())
+        async with recovery.lock:
+            updates = sync.publish()
+        try:
+            await asyncio.gather(*updates)
+        except DEATHS as err:  # an inference replica died: its replacement takes the weights
+            await w.revive(recovery, err)
         result.metrics |= await w.episode_feedback(tally.steps + 1)
         await _log_step(cfg, tally, log, result, w.evaluate)
         await ckpt.maybe()
@@ -263,33 +264,24 @@ async def run_streaming(
     replica, which drains its forward pass in flight before swapping them in. Returns the env
     steps of the super-batch fetched but never trained, and the buffer occupancy after each step.
     """
-    sink = BufferSink(w.replay_buffer)
-
-    def start_workers() -> list[asyncio.Future]:
-        return [
-            asyncio.ensure_future(worker.run.remote(w.service_client(i), sink))
-            for i, worker in enumerate(w.workers)
-        ]
-
-    async def stop_workers() -> None:
-        await asyncio.gather(*(worker.stop.remote() for worker in w.workers))
-        await asyncio.gather(*runs)  # each run returns after its last put
-
-    runs = start_workers()
+    runs = WorkerRuns(w, Recovery(w, sync, tally), BufferSink(w.replay_buffer))
+    runs.start()
     trainer_idle = tally.idle[w.trainer.names[0]]
     version, occupancy = (await w.trainer[0].stats.remote())["version"], []
     batch_ref = w.replay_buffer.get.remote(cfg.replay.batch_steps, version)
     while tally.steps < cfg.steps:
         start = time.time()
         # Wait for the super-batch without pulling it here; the trainer ranks take it directly.
-        await _first_or_raise(asyncio.to_thread(ray.wait, [batch_ref], fetch_local=False), runs)
+        ready = asyncio.to_thread(ray.wait, [batch_ref], fetch_local=False)
+        await _first_or_raise(ready, [runs.watch])
         trainer_idle.wait("replay", start, time.time())
         segments_ref = batch_ref
         batch_ref = w.replay_buffer.get.remote(cfg.replay.batch_steps, version)
-        result = await _first_or_raise(_train_step(w.trainer, segments_ref), runs)
+        result = await _first_or_raise(_train_step(w.trainer, segments_ref), [runs.watch])
         version = result.version
         if result.stepped:
-            sync.publish()
+            async with runs.recovery.lock:
+                sync.publish()
         result.metrics |= await w.episode_feedback(tally.steps + 1)
         occupancy.append((await w.replay_buffer.stats.remote())["occupancy"])
         result.metrics["replay/occupancy"] = occupancy[-1]
@@ -297,11 +289,11 @@ async def run_streaming(
         if ckpt.due():
             # With the workers stopped the buffer holds still, and the fetch ahead has taken its
             # segments or is waiting for more: the books and the snapshot agree.
-            await stop_workers()
+            await runs.stop()
             await ckpt.write(in_flight=await w.prefetched())
-            runs = start_workers()
+            runs.start()
             ckpt.after()
-    await stop_workers()
+    await runs.stop()
     # No more puts: closing the buffer ends the fetch still waiting, so what it took is exact.
     await w.replay_buffer.close.remote()
     try:
@@ -325,12 +317,10 @@ async def _train_step(trainer: Group, batch_ref: Any) -> StepResult:
     calls = [r.train_step.remote(batch_ref) for r in trainer]
     try:
         return StepResult.merge(await asyncio.gather(*calls))
-    except DEATHS as err:
-        for name, call in zip(trainer.names, calls, strict=True):
-            with contextlib.suppress(*DEATHS):
-                await call
-                continue
-            raise ExecutorFailed(name, first_line(err)) from err
+    except DEATHS as err:  # a dead rank, or the batch's maker (e.g. the replay buffer) died
+        for name, rank in trainer.named().items():
+            if not await alive(rank):
+                raise ExecutorFailed(name, first_line(err)) from err
         raise
 
 

@@ -28,7 +28,7 @@ from relayrl.observability.metrics import MetricsLog, RunTally, say
 from relayrl.observability.plots import plot_learning_curve
 from relayrl.observability.report import write_report
 from relayrl.observability.tracing import busy_seconds, collect_spans, save_trace
-from relayrl.recovery import ExecutorFailed
+from relayrl.recovery import ExecutorFailed, dead_executor, is_death
 from relayrl.workloads import WORKLOADS, Workload
 
 
@@ -115,6 +115,8 @@ def train(
         }
         if isinstance(err, ExecutorFailed):
             partial["failed_executor"] = err.name
+        elif is_death(err):
+            partial["failed_executor"] = dead_executor(err, workload.groups())
         if ckpt.written:
             partial["resume"] = f"relayrl train --resume {run_dir}"
             say(f"{status}; continue with: {partial['resume']}")

@@ -40,11 +40,17 @@ class Recovery:
         self.lock = asyncio.Lock()
 
     async def replace(
-        self, group: Group, index: int, err: BaseException, *, lost: int = 0, unfinished: int = 0
+        self,
+        group: Group,
+        index: int,
+        err: BaseException,
+        *,
+        lost: int = 0,
+        unfinished: int | None = 0,
     ) -> Any:
         """Record the death of ``group[index]`` (``lost``: samples counted as generated that died
-        with it; ``unfinished``: work in progress it held, never counted), put a new actor in
-        its place, reconnect weight sync; returns the new actor."""
+        with it; ``unfinished``: work in progress it held, never counted, None if unknown), put
+        a new actor in its place, reconnect weight sync; returns the new actor."""
         name = group.names[index]
         reason = first_line(err)
         self.tally.on_failure(
@@ -69,7 +75,94 @@ class Recovery:
         return group.actors[index]
 
 
+def dead_executor(err: BaseException, groups: list[Group]) -> str | None:
+    """The name of the executor whose death ``err`` reports, if it is one of ``groups``."""
+    actor_id = getattr(err, "actor_id", None) or getattr(
+        getattr(err, "cause", None), "actor_id", None
+    )
+    for group in groups:
+        for name, actor in group.named().items():
+            if actor_id is not None and actor._actor_id.hex() == actor_id:
+                return name
+    return None
+
+
 def first_line(err: BaseException) -> str:
     """The first line of an error's message, with its type."""
     text = str(err).strip().splitlines()
     return f"{type(err).__name__}: {text[0]}" if text else type(err).__name__
+
+
+def is_death(err: BaseException) -> bool:
+    """Whether ``err`` is an actor's death, or a task's error caused by one (a rollout worker's
+    run fails so when its inference replica dies)."""
+    return isinstance(err, DEATHS) or isinstance(getattr(err, "cause", None), DEATHS)
+
+
+async def alive(actor: Any) -> bool:
+    """Whether ``actor`` still answers."""
+    try:
+        await actor.__ray_ready__.remote()
+    except DEATHS:
+        return False
+    return True
+
+
+class WorkerRuns:
+    """The rollout workers' ``run`` loops of an async embodied run, kept running.
+
+    A run that ends because its worker or its worker's inference replica died is restarted once
+    the dead actor is replaced. A replaced worker's books (env steps, steps dropped by env
+    errors) are kept as of the last segment it put; the steps of the segment it had open died
+    with it, uncounted (their number is unknown, at most ``rollout.segment_len - 1``).
+    """
+
+    def __init__(self, workload: Any, recovery: Recovery, sink: Any):
+        self.w = workload
+        self.recovery = recovery
+        self.sink = sink
+        self.runs: list[asyncio.Future] = []
+        self.watch: asyncio.Future | None = None
+        self._reviving = asyncio.Lock()
+
+    def start(self) -> None:
+        """Start every worker's run, and the watch that revives them."""
+        self.runs = [self._run(i) for i in range(len(self.w.workers))]
+        self.watch = asyncio.ensure_future(self._watch())
+
+    async def stop(self) -> None:
+        """Stop the watch (after a revival in progress) and every run (after its last put)."""
+        async with self._reviving:
+            self.watch.cancel()
+            await asyncio.gather(self.watch, return_exceptions=True)
+            await self._revive_ended()
+        await asyncio.gather(*(worker.stop.remote() for worker in self.w.workers))
+        await asyncio.gather(*self.runs)
+
+    def _run(self, i: int) -> asyncio.Future:
+        worker = self.w.workers[i]
+        return asyncio.ensure_future(worker.run.remote(self.w.service_client(i), self.sink))
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.wait(self.runs, return_when=asyncio.FIRST_COMPLETED)
+            async with self._reviving:
+                await self._revive_ended()
+
+    async def _revive_ended(self) -> None:
+        for i, run in enumerate(self.runs):
+            if not run.done():
+                continue
+            err = run.exception()
+            if err is None:
+                raise RuntimeError(f"rollout worker {i}'s run returned before it was stopped")
+            if not is_death(err):
+                raise err
+            services = self.w.services
+            s = i % len(services)
+            if not await alive(services[s]):
+                await self.recovery.replace(services, s, err)
+            if not await alive(self.w.workers[i]):
+                await self.w.retire(i)
+                await self.recovery.replace(self.w.workers, i, err, unfinished=None)
+            self.runs[i] = self._run(i)

@@ -127,6 +127,10 @@ class Segment:
     terminated: bool  # the episode ended in the task's terms at the last step: no bootstrap
     episode_done: bool  # the episode ended at the last step (terminated or truncated)
     success: bool  # meaningful when episode_done
+    # The worker's books when this segment closed, so that they outlive the worker if it dies:
+    # its env steps so far (this segment's included) and how many of them env errors dropped.
+    worker_env_steps: int = 0
+    worker_dropped_error: int = 0
 
     def __len__(self) -> int:
         return int(self.actions.shape[0])

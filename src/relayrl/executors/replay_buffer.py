@@ -53,6 +53,7 @@ class ReplayBuffer:
             for unit in ("steps", "segments")
         }
         self._wait_s = 0.0
+        self._workers: dict[int, tuple[int, int]] = {}  # worker id -> books at its last put
 
     def put(self, segment: Segment) -> None:
         """Append ``segment``; never blocks. When full, the oldest segments are evicted and counted
@@ -60,6 +61,7 @@ class ReplayBuffer:
         steps = len(segment)
         with self._cond:
             self._count("put", segment)
+            self._workers[segment.worker] = (segment.worker_env_steps, segment.worker_dropped_error)
             if steps > self.capacity_steps:
                 self._count("dropped_overflow", segment)
                 return
@@ -113,9 +115,10 @@ class ReplayBuffer:
             self._closed = True
             self._cond.notify_all()
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> dict:
         """Env steps and segments put, taken, dropped (stale, overflow) and resident; occupancy
-        (resident steps / capacity) and seconds readers spent waiting."""
+        (resident steps / capacity), seconds readers spent waiting, and each worker's books
+        (env steps, steps dropped by env errors) as of its last put."""
         with self._cond:
             return {
                 **self._counts,
@@ -123,12 +126,17 @@ class ReplayBuffer:
                 "resident_segments": len(self._segments),
                 "occupancy": self._resident_steps / self.capacity_steps,
                 "reader_wait_s": self._wait_s,
+                "workers": dict(self._workers),
             }
 
     def state_dict(self) -> dict:
         """Resident segments and counters, to resume a run with the same books."""
         with self._cond:
-            return {"segments": list(self._segments), "counts": dict(self._counts)}
+            return {
+                "segments": list(self._segments),
+                "counts": dict(self._counts),
+                "workers": dict(self._workers),
+            }
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what ``state_dict`` saved."""
@@ -136,6 +144,7 @@ class ReplayBuffer:
             self._segments = deque(state["segments"])
             self._resident_steps = sum(len(s) for s in self._segments)
             self._counts = dict(state["counts"])
+            self._workers = dict(state["workers"])
             self._cond.notify_all()
 
     def _drop_stale(self, trainer_version: int) -> int:

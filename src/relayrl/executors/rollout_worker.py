@@ -300,6 +300,8 @@ class RolloutWorker:
             terminated=done and result.terminated,
             episode_done=done,
             success=done and result.success,
+            worker_env_steps=self._counts["env_steps"],
+            worker_dropped_error=self._counts["dropped_error_steps"],
         )
 
     def _finish_episode(self, success: bool) -> None:

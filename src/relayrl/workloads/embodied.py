@@ -40,6 +40,7 @@ from relayrl.launch import (
 )
 from relayrl.models.vla import VLAPolicy
 from relayrl.observability.metrics import MetricsLog, RunTally, say
+from relayrl.recovery import DEATHS, Recovery, alive
 from relayrl.types import Segment
 
 SERVICE_SEED = 2 * 10**6  # inference replica i samples actions from seed run.seed + this + i
@@ -58,6 +59,11 @@ class EmbodiedWorkload:
         self.services = Group("inference_service", [])
         self.replay_buffer: Any = None
         self.workers = Group("rollout_worker", [])
+        # Books of rollout workers that died: worker id -> (env steps, steps dropped by env
+        # errors) as of the last segment each closed; what they did after it died with them.
+        self.retired: dict[int, tuple[int, int]] = {}
+        self.seen: dict[int, tuple[int, int]] = {}  # the same, of segments collected in lockstep
+        self.worker_ids: list[int] = []
         self.evaluators = Group("evaluator", [])
         greedy = "greedy" if cfg.env.eval_greedy else "sampled"
         self.legend = {"eval_label": f"evaluation success ({greedy})"}
@@ -105,58 +111,97 @@ class EmbodiedWorkload:
                 for r in range(ranks)
             ],
         )
-        # A service's initial weights are replaced by the trainer's version 0 before any action.
-        self.services = Group(
-            "inference_service",
-            [
-                ray.remote(InferenceService)
-                .options(**at("inference_service", i))
-                .remote(
-                    VLAPolicy(vla),
-                    max_batch=cfg.inference.max_batch,
-                    max_wait_ms=cfg.inference.max_wait_ms,
-                    threads=cfg.ray.threads_per_executor,
-                    sync_timeout_s=cfg.sync.timeout_s,
-                    seed=cfg.run.seed + SERVICE_SEED + i,
-                )
-                for i in range(replicas)
-            ],
-        )
+        self.vla = vla
+        self.services = Group("inference_service", [self._service(i) for i in range(replicas)])
         # Threaded: a blocking get must not hold up the workers' puts.
         self.replay_buffer = (
             ray.remote(ReplayBuffer)
             .options(max_concurrency=4, **at("replay_buffer", 0))
             .remote(cfg.replay.capacity_steps, max_staleness=cfg.max_staleness)
         )
-
-        def worker(role: str, i: int, seed: int, segment_len: int) -> Any:
-            return (
-                ray.remote(RolloutWorker)
-                .options(max_concurrency=2, **at(role, i))  # stop(), stats() served while run()
-                .remote(
-                    i,
-                    functools.partial(self.make_env, seed + 1000),
-                    segment_len=segment_len,
-                    seed=seed,
-                    task_sampler=TaskSampler(tasks, seed),
-                    max_consecutive_errors=cfg.rollout.max_consecutive_errors,
-                )
-            )
-
-        seed = cfg.run.seed
-        self.workers = Group(
-            "rollout_worker",
-            [
-                worker("rollout_worker", i, seed + 1 + i, cfg.rollout.segment_len)
-                for i in range(cfg.rollout.workers)
-            ],
-        )
+        workers = range(cfg.rollout.workers)
+        self.worker_ids = list(workers)
+        self.workers = Group("rollout_worker", [self._worker("rollout_worker", i) for i in workers])
         self.evaluators = Group(
-            "evaluator",
-            [worker("evaluator", i, seed + 10**6 + i, 10**9) for i in range(cfg.env.eval_workers)],
+            "evaluator", [self._worker("evaluator", i) for i in range(cfg.env.eval_workers)]
         )
         self.choice = TaskChoice(cfg, tasks)
         form_trainer_group(self.trainer)
+
+    def _service(self, i: int, incarnation: int = 0) -> Any:
+        """Inference replica ``i``; its initial weights are replaced by the trainer's before any
+        action. Its ``incarnation``-th replacement samples from seeds of its own."""
+        cfg = self.cfg
+        return (
+            ray.remote(InferenceService)
+            .options(**self.placement.options("inference_service", i))
+            .remote(
+                VLAPolicy(self.vla),
+                max_batch=cfg.inference.max_batch,
+                max_wait_ms=cfg.inference.max_wait_ms,
+                threads=cfg.ray.threads_per_executor,
+                sync_timeout_s=cfg.sync.timeout_s,
+                seed=cfg.run.seed + SERVICE_SEED + i + incarnation * cfg.inference.replicas,
+            )
+        )
+
+    def _worker(self, role: str, i: int, incarnation: int = 0) -> Any:
+        """Rollout worker (or evaluator) ``i``, with its own seeds and worker id; its
+        ``incarnation``-th replacement gets an id and seeds of its own."""
+        cfg = self.cfg
+        count = cfg.rollout.workers if role == "rollout_worker" else cfg.env.eval_workers
+        worker_id = i + incarnation * count
+        seed = cfg.run.seed + (1 if role == "rollout_worker" else 10**6) + worker_id
+        return (
+            ray.remote(RolloutWorker)
+            .options(max_concurrency=2, **self.placement.options(role, i))  # stop(), stats()
+            .remote(
+                worker_id,
+                functools.partial(self.make_env, seed + 1000),
+                segment_len=cfg.rollout.segment_len if role == "rollout_worker" else 10**9,
+                seed=seed,
+                task_sampler=TaskSampler(self.tasks, seed),
+                max_consecutive_errors=cfg.rollout.max_consecutive_errors,
+            )
+        )
+
+    def recreate(self, role: str, index: int, incarnation: int) -> Any:
+        """A new inference replica or rollout worker in the bundle of member ``index``."""
+        if role == "inference_service":
+            return self._service(index, incarnation)
+        if role == "rollout_worker":
+            worker = self._worker(role, index, incarnation)
+            self.worker_ids[index] = index + incarnation * self.cfg.rollout.workers
+            ray.get(worker.__ray_call__.remote(set_task_weights, self.choice.weights()))
+            return worker
+        raise ValueError(
+            f"a {role} is not replaced: only inference replicas and rollout workers are"
+        )
+
+    async def retire(self, index: int) -> tuple[int, int]:
+        """Keep the books of dead rollout worker ``index`` as of the last segment it closed (from
+        the replay buffer's record, or the segments collected in lockstep); returns them."""
+        worker_id = self.worker_ids[index]
+        found = (await self.replay_buffer.stats.remote())["workers"].get(worker_id, (0, 0))
+        books = max(tuple(found), self.seen.get(worker_id, (0, 0)))
+        self.retired[worker_id] = books
+        return books
+
+    async def revive(self, recovery: Recovery, err: BaseException) -> None:
+        """Replace the inference replicas and rollout workers that died (lockstep: between two
+        calls, so a worker that lived keeps its observation and open segment)."""
+        for s, service in enumerate(self.services):
+            if not await alive(service):
+                await recovery.replace(self.services, s, err)
+        for i, worker in enumerate(self.workers):
+            if not await alive(worker):
+                await self.retire(i)
+                await recovery.replace(self.workers, i, err, unfinished=None)
+
+    def note(self, segments: list[Segment]) -> None:
+        """Remember the workers' books that segments collected in lockstep carry."""
+        for seg in segments:
+            self.seen[seg.worker] = (seg.worker_env_steps, seg.worker_dropped_error)
 
     def service_of(self, worker: int) -> Any:
         """The inference replica that answers rollout worker (or evaluator) ``worker``."""
@@ -194,6 +239,7 @@ class EmbodiedWorkload:
         """
         parts = await snapshot(self._executors())
         parts["task_choice"] = self.choice.state_dict()
+        parts["retired_workers"] = {"retired": dict(self.retired), "seen": dict(self.seen)}
         workers = self.workers.named() | self.evaluators.named()
         await asyncio.gather(*(w.load_state_dict.remote(parts[n]) for n, w in workers.items()))
         return parts
@@ -202,6 +248,8 @@ class EmbodiedWorkload:
         """Load what ``snapshot`` saved."""
         restore(self._executors(), parts)
         self.choice.load_state_dict(parts["task_choice"])
+        self.retired = dict(parts["retired_workers"]["retired"])
+        self.seen = dict(parts["retired_workers"]["seen"])
 
     async def prefetched(self) -> int:
         """Env steps the replay buffer handed out that no trainer rank has received yet (a fetch
@@ -235,10 +283,18 @@ class EmbodiedWorkload:
         ray.get([w.__ray_call__.remote(set_task_weights, weights) for w in self.workers])
         return {"eval": {"start": start}}
 
-    async def lockstep(self, workers: Group, quotas: list[int], *, greedy: bool = False) -> list:
+    async def lockstep(
+        self,
+        workers: Group,
+        quotas: list[int],
+        *,
+        greedy: bool = False,
+        into: list[Segment] | None = None,
+    ) -> list:
         """Step ``workers`` in lockstep, one batched forward pass per inference replica per step,
-        until worker ``i`` has closed ``quotas[i]`` segments; returns the closed segments."""
-        closed: list[Segment] = []
+        until worker ``i`` has closed ``quotas[i]`` segments; returns the closed segments (also
+        appended to ``into`` as they close, so that a caller keeps them if an actor dies)."""
+        closed: list[Segment] = [] if into is None else into
         left = list(quotas)
         while any(n > 0 for n in left):
             active = [i for i, n in enumerate(left) if n > 0]
@@ -261,9 +317,15 @@ class EmbodiedWorkload:
                 )
                 for k, i in enumerate(active)
             ]
-            for i, segments in zip(active, await asyncio.gather(*steps), strict=True):
-                closed += segments
-                left[i] -= len(segments)
+            # Keep what the workers that stepped closed, even if another one died meanwhile.
+            stepped = await asyncio.gather(*steps, return_exceptions=True)
+            for i, segments in zip(active, stepped, strict=True):
+                if not isinstance(segments, BaseException):
+                    closed += segments
+                    left[i] -= len(segments)
+            for segments in stepped:
+                if isinstance(segments, BaseException):
+                    raise segments
         return closed
 
     async def evaluate(self) -> dict:
@@ -294,8 +356,13 @@ class EmbodiedWorkload:
         """Drain the workers' finished episodes into DWR and the curriculum, push the new task
         weights to the workers' samplers, and return the rollout success rate of those episodes."""
         choice = self.choice
-        drained = await asyncio.gather(*(w.episode_results.remote() for w in self.workers))
-        results = [r for rs in drained for r in rs]
+        drained = await asyncio.gather(
+            *(w.episode_results.remote() for w in self.workers), return_exceptions=True
+        )
+        for found in drained:  # a worker that died is replaced by the loop
+            if isinstance(found, BaseException) and not isinstance(found, DEATHS):
+                raise found
+        results = [r for rs in drained if not isinstance(rs, BaseException) for r in rs]
         for r in results:
             choice.record(r.task, r.success)
         opened = choice.curriculum.advance(step) if choice.curriculum is not None else None
@@ -319,13 +386,16 @@ class EmbodiedWorkload:
         services = ray.get([s.stats.remote() for s in self.services])
         buffer = ray.get(self.replay_buffer.stats.remote())
         trained = sum(t["trained"] for t in trainers)
-        generated = sum(w["env_steps"] for w in workers)
+        retired = self.retired.values()
+        generated = sum(w["env_steps"] for w in workers) + sum(steps for steps, _ in retired)
         dropped = {
             "dropped_stale": sum(t["dropped_stale"] for t in trainers)
             + buffer["dropped_stale_steps"],
             "dropped_overflow": buffer["dropped_overflow_steps"],
-            "dropped_error": sum(w["dropped_error_steps"] for w in workers),
+            "dropped_error": sum(w["dropped_error_steps"] for w in workers)
+            + sum(errors for _, errors in retired),
             "dropped_resume": tally.dropped_resume,
+            "lost": tally.lost,
         }
         in_flight = {
             "resident": buffer["resident_steps"],

@@ -13,20 +13,30 @@ import pytest
 import ray
 from conftest import tiny_config
 from test_controller import SMALL
+from test_embodied import SMALL as EMBODIED
+from test_embodied import check_books
 
 from relayrl import job
 from relayrl.recovery import ExecutorFailed
-from relayrl.workloads import LLMWorkload
+from relayrl.workloads import EmbodiedWorkload, LLMWorkload
+
+MADE: list = []  # the workloads of the runs, where a test can reach their actors
 
 
 class Kept(LLMWorkload):
-    """The LLM workload, kept where a test can reach its actors."""
-
-    made: list[LLMWorkload] = []
+    """The LLM workload, kept in ``MADE``."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        Kept.made.append(self)
+        MADE.append(self)
+
+
+class KeptEmbodied(EmbodiedWorkload):
+    """The embodied workload, kept in ``MADE``."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        MADE.append(self)
 
 
 def _pid(actor) -> int:
@@ -48,7 +58,7 @@ def _kill_at(run_dir, kills: list[tuple[int, str, int, str]]) -> threading.Threa
         for step, role, index, how in kills:
             while reached() < step:
                 time.sleep(0.05)
-            workload = Kept.made[-1]
+            workload = MADE[-1]
             actor = {g.role: g for g in workload.groups()}[role][index]
             if how == "ray.kill":
                 ray.kill(actor)
@@ -65,9 +75,7 @@ def test_killed_generators_and_rewarders_are_replaced_and_the_books_balance(
     ray_session, tmp_path, monkeypatch, mode
 ):
     monkeypatch.setitem(job.WORKLOADS, "llm", Kept)
-    cfg = tiny_config(
-        *SMALL, f"mode={mode}", "steps=8", "generator.replicas=2", "rewarder.replicas=1"
-    )
+    cfg = tiny_config(*SMALL, f"mode={mode}", "steps=8", "generator.replicas=2", "sync.timeout_s=5")
     run_dir = tmp_path / "run"
     kills = [(2, "generator", 0, "ray.kill"), (4, "rewarder", 0, "os.kill")]
     killer = _kill_at(run_dir, kills)
@@ -100,3 +108,25 @@ def test_a_dead_trainer_rank_fails_the_run_and_names_it(ray_session, tmp_path, m
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["failed_executor"] == "trainer"
     assert summary["resume"] == f"relayrl train --resume {run_dir}"
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_killed_inference_replicas_and_rollout_workers_are_replaced_and_the_books_balance(
+    ray_session, tmp_path, monkeypatch, mode
+):
+    monkeypatch.setitem(job.WORKLOADS, "embodied", KeptEmbodied)
+    cfg = tiny_config(*EMBODIED, f"mode={mode}", "steps=5")
+    run_dir = tmp_path / "run"
+    kills = [(1, "inference_service", 0, "ray.kill"), (3, "rollout_worker", 1, "os.kill")]
+    killer = _kill_at(run_dir, kills)
+    summary = job.train(cfg, run_dir)
+    killer.join(timeout=1)
+
+    assert summary["status"] == "finished" and summary["steps"] == 5
+    failures = summary["failures"]
+    assert [f["name"] for f in failures["inference_service"]] == ["inference_service"]
+    assert [f["name"] for f in failures["rollout_worker"]] == ["rollout_worker_1"]
+    samples = check_books(summary)
+    assert samples["lost"] == 0  # nothing counted died: the buffer and the trainer live
+    # The replacement replica serves the trainer's last version.
+    assert summary["perf"]["inference"]["versions"] == [summary["eval"]["end"]["version"]]
