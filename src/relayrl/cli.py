@@ -27,7 +27,8 @@ Overrides use dotted keys (section.key=value); see the config reference in the R
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point; returns the process exit code (2 for configuration and data errors)."""
+    """Entry point; returns the process exit code (2 for configuration and data errors, 1 when
+    Ray cannot be started or joined)."""
     parser = argparse.ArgumentParser(
         prog="relayrl",
         description="Distributed, asynchronous RL of language and vision-language-action policies.",
@@ -178,6 +179,7 @@ def _resume(args: argparse.Namespace, overrides: list[str]) -> int:
 
 def _run(cfg: Any, run_dir: Path, *, resume: bool) -> int:
     from relayrl.job import train as run_training
+    from relayrl.launch import RayStartError
 
     # asyncio.run's own Ctrl-C handler only cancels the loop's main task, which then waits on the
     # tasks it cancels; once a run ignored two Ctrl-Cs that way. The handler asks the RL loop to
@@ -189,6 +191,10 @@ def _run(cfg: Any, run_dir: Path, *, resume: bool) -> int:
     except KeyboardInterrupt:
         print(f"relayrl: interrupted; partial results in {run_dir}", file=sys.stderr)
         return 130
+    except RayStartError as err:
+        # 1, not the 2 of a refused command line: the run began (summary.json says failed)
+        print(f"relayrl: {err}", file=sys.stderr)
+        return 1
     return 0
 
 

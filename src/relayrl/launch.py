@@ -13,12 +13,15 @@ import contextlib
 import dataclasses
 import os
 import random
+import socket
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import grpc
 import numpy as np
 import ray
+from ray._private import services
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -124,23 +127,118 @@ class Placement:
 PLACEMENT_TIMEOUT_S = 120
 
 
+class RayStartError(RuntimeError):
+    """Ray could not be started or joined; the message is one line: where, what failed, what to
+    do."""
+
+
+# How long joining waits for a Ray head to answer: ray.init itself retries for minutes.
+CONNECT_TIMEOUT_S = 5.0
+# A GCS call that takes no arguments and answers at once: proof that a Ray head listens.
+GCS_PING = "/ray.rpc.NodeInfoGcsService/GetClusterId"
+
+
 def start_ray(cfg: Config) -> None:
-    """Join ``cfg.ray.address`` or start an embedded single-node Ray on loopback."""
+    """Join ``cfg.ray.address`` or start an embedded single-node Ray on loopback; raises
+    ``RayStartError`` when neither works."""
     if ray.is_initialized():
         return
-    if cfg.ray.address is not None:
-        ray.init(address=cfg.ray.address, log_to_driver=True)
+    address = cfg.ray.address
+    if address is not None:
+        # A Ray Client address (ray://, or in RAY_ADDRESS, which ray.init reads for auto) gives
+        # up within 30 s by itself.
+        client = "://" in address or (
+            address == "auto" and "://" in os.environ.get("RAY_ADDRESS", "")
+        )
+        if not client:
+            check_ray_head(address)
+        try:
+            ray.init(address=address, log_to_driver=True)
+        except Exception as err:
+            raise _join_error(address, _one_line(err), "check that Ray runs there") from err
         return
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(
-        # "local": always a new instance, never a cluster some other process started here
-        address="local",
-        num_cpus=cfg.ray.num_cpus,
-        include_dashboard=False,
-        _node_ip_address="127.0.0.1",
-        log_to_driver=True,
-        configure_logging=False,
+    try:
+        ray.init(
+            # "local": always a new instance, never a cluster some other process started here
+            address="local",
+            num_cpus=cfg.ray.num_cpus,
+            include_dashboard=False,
+            _node_ip_address="127.0.0.1",
+            log_to_driver=True,
+            configure_logging=False,
+        )
+    except Exception as err:
+        raise RayStartError(f"cannot start an embedded Ray: {_one_line(err)}") from err
+
+
+def check_ray_head(address: str, timeout: float = CONNECT_TIMEOUT_S) -> None:
+    """Raise ``RayStartError`` unless a Ray head answers at ``address`` (``host:port`` or
+    ``auto``) within ``timeout`` seconds: the host is unresolvable, the connection is refused or
+    unanswered, or something other than Ray answers."""
+    host, _, port = address.rpartition(":")
+    try:
+        if address != "auto" and not (host and port.isdigit()):
+            raise ValueError(address)  # Ray would also log a traceback for an empty host
+        # What ray.init dials: auto is the cluster started on this machine, and 127.0.0.1 or
+        # localhost become this machine's own address.
+        dialled = services.canonicalize_bootstrap_address(address)
+    except ConnectionError:
+        raise _join_error(
+            address, "no Ray runs on this machine", "run `ray start --head`"
+        ) from None
+    except ValueError:
+        raise RayStartError(
+            f"cannot join Ray at {address}: not host:port, auto or ray://host:port"
+        ) from None
+    where = address if dialled == address else f"{address} (dialled as {dialled})"
+    host, _, port = dialled.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+        problem = _not_a_ray_head(dialled, timeout)
+    except socket.gaierror:
+        problem = f"cannot resolve host {host}"
+    except ConnectionRefusedError:
+        problem = "connection refused"
+    except TimeoutError:
+        problem = f"no answer within {timeout:g} s"
+    except OSError as err:
+        problem = err.strerror or repr(err)
+    if problem is not None:
+        raise _join_error(where, problem, f"run `ray start --head --port={port}` on that machine")
+
+
+def _not_a_ray_head(address: str, timeout: float) -> str | None:
+    """Why the server that accepted a connection at ``address`` is not a Ray head, or None.
+
+    An accepted connection proves little: a proxy or another service may hold the port, and
+    ray.init then retries for minutes."""
+    if os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):
+        return None  # the GCS then speaks TLS only, with certificates this check does not load
+    # Ray's own gRPC clients ignore http_proxy too (unless RAY_grpc_enable_http_proxy)
+    with grpc.insecure_channel(address, options=[("grpc.enable_http_proxy", 0)]) as channel:
+        try:
+            channel.unary_unary(GCS_PING)(b"", timeout=timeout)
+        except grpc.RpcError as err:
+            if err.code() == grpc.StatusCode.UNAUTHENTICATED:
+                return None  # a head with token auth: ray.init brings the token
+            if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                return f"accepts connections but does not answer as a Ray head within {timeout:g} s"
+            return f"something other than a Ray head answers there ({err.details()})"
+    return None
+
+
+def _join_error(where: str, problem: str, todo: str) -> RayStartError:
+    """The one-line error for an address Ray cannot be joined at, with what to do about it."""
+    return RayStartError(
+        f"cannot join Ray at {where}: {problem}; {todo}, or drop --ray-address (ray.address) to "
+        "start an embedded Ray"
     )
+
+
+def _one_line(err: BaseException) -> str:
+    """An exception as one line: its type and its message with whitespace runs collapsed."""
+    return f"{type(err).__name__}: {' '.join(str(err).split())}"
 
 
 def pick_transport(requested: str, trainer_node: str, receiver_nodes: list[str]) -> str:

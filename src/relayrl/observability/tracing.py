@@ -103,6 +103,8 @@ def collect_spans(
 ) -> dict[str, tuple[list[Span], list[Span]]]:
     """Each executor's busy spans, and its waits: its own plus those ``seen`` by the controller
     on its behalf (``traced``: Ray actor handles by executor name)."""
+    if not traced:  # a run that failed before placing anything: ray.get would start a Ray
+        return {}
     import ray
 
     traces = ray.get([handle.trace.remote() for handle in traced.values()], timeout=60)
