@@ -5,9 +5,9 @@ For each workload (LLM: ``configs/arith.yaml``; embodied: ``configs/babyai.yaml`
 
 - every 60-120 s (``--kill-every``) a random non-trainer actor process (generator or rewarder;
   inference replica or rollout worker), found by Ray's process title, gets SIGKILL;
-- at half time the whole run (its process session) gets SIGKILL, and ``relayrl train --resume``
-  continues it, with ``steps`` set so that it ends near the time budget at the rate measured so
-  far;
+- at half time (or once the first run checkpoint exists, if later) the whole run (its process
+  session) gets SIGKILL, and ``relayrl train --resume`` continues it, with ``steps`` set so that
+  it ends near the time budget at the rate measured so far;
 - every 5 s it samples the resident memory (RSS) of every process of the run by role.
 
 It reports, per workload: the failures the run survived (from ``summary.json``, by role), samples
@@ -156,7 +156,8 @@ def soak(workload: str, minutes: float, kill_every: tuple[float, float], out: Pa
                 kills.append({"t": now - begin, "role": processes[pid], "pid": pid, "step": step})
                 os.kill(pid, signal.SIGKILL)
             next_kill = now + rng.uniform(*kill_every)
-        if not resumed and now >= half:
+        checkpointed = any((run_dir / "checkpoints").glob("step-*"))
+        if not resumed and now >= half and checkpointed:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             while session_processes(proc.pid):
