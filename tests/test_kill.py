@@ -72,6 +72,16 @@ def _session_processes(sid: int) -> list[str]:
     return found
 
 
+def _orphan_shm_files() -> list[str]:
+    """Weight-sync files whose creating process is gone (other runs' live files are fine)."""
+    found = []
+    for name in shm_files():
+        pid = name.removeprefix("relayrl-sync-").split("-", 1)[0]
+        if not pid.isdigit() or not Path(f"/proc/{pid}").exists():
+            found.append(name)
+    return found
+
+
 def _wait_gone(sid: int, timeout_s: float = 60.0) -> list[str]:
     deadline = time.time() + timeout_s
     while (left := _session_processes(sid)) and time.time() < deadline:
@@ -79,40 +89,43 @@ def _wait_gone(sid: int, timeout_s: float = 60.0) -> list[str]:
     return left
 
 
-@pytest.mark.parametrize(
-    ("point", "survives"),
-    [
-        ("train_step@3", "step-00000002"),  # step 3: after checkpoint 2
-        ("publish@5", "step-00000002"),  # version 0, steps 1-3, then step 4's publish
-        ("checkpoint@2", "step-00000002"),  # the write of checkpoint 4
-    ],
-)
-def test_a_run_killed_mid_work_resumes_to_the_uninterrupted_result(
-    uninterrupted, tmp_path, point, survives
-):
-    run_dir, marker = tmp_path / "run", tmp_path / "paused"
-    before = shm_files()
+def _run_until_killed(args: list[str], point: str, tmp_path: Path, name: str) -> None:
+    """``relayrl train ARGS`` until it pauses at ``point``, then SIGKILL its whole session."""
+    marker = tmp_path / f"{name}.paused"
     env = os.environ | {PAUSE_AT: point, PAUSE_MARKER: str(marker)}
-    with (tmp_path / "killed.log").open("w") as log:
-        proc = _cli(CONFIG, "--run-dir", str(run_dir), *RUN, env=env, stdout=log, stderr=log)
+    log = tmp_path / f"{name}.log"
+    with log.open("w") as out:
+        proc = _cli(*args, env=env, stdout=out, stderr=subprocess.STDOUT)
         deadline = time.time() + 180
         while not marker.exists() and proc.poll() is None and time.time() < deadline:
             time.sleep(0.2)
-        assert marker.exists(), f"never paused at {point}: {(tmp_path / 'killed.log').read_text()}"
+        assert marker.exists(), f"never paused at {point}: {log.read_text()}"
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-    assert _wait_gone(proc.pid) == [], "the killed run left processes behind"
-    assert json.loads((run_dir / "summary.json").read_text())["status"] == "running"
+    assert _wait_gone(proc.pid) == [], f"the run killed at {point} left processes behind"
 
-    with (tmp_path / "resumed.log").open("w") as log:
-        resumed = _cli("--resume", str(run_dir), stdout=log, stderr=subprocess.STDOUT)
-        assert resumed.wait(timeout=300) == 0, (tmp_path / "resumed.log").read_text()
-    assert _wait_gone(resumed.pid) == [], "the resumed run left processes behind"
-    assert shm_files() <= before, "shared-memory files of the killed run are still there"
+
+def test_a_run_killed_three_times_resumes_to_the_uninterrupted_result(uninterrupted, tmp_path):
+    """Killed during a train step (step 3), during weight sync (step 5's publish, after a resume
+    from step 2) and while writing a checkpoint (step 6's, after a resume from step 4)."""
+    run_dir = tmp_path / "run"
+    _run_until_killed([CONFIG, "--run-dir", str(run_dir), *RUN], "train_step@3", tmp_path, "first")
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "running"
+    resume = ["--resume", str(run_dir)]
+    # A resumed run publishes the checkpoint's weights first: publish 4 is step 5's.
+    _run_until_killed(resume, "publish@4", tmp_path, "second")
+    _run_until_killed(resume, "checkpoint@1", tmp_path, "third")
+    assert list((run_dir / "checkpoints").glob(".step-00000006.partial"))
+
+    with (tmp_path / "last.log").open("w") as log:
+        last = _cli(*resume, stdout=log, stderr=subprocess.STDOUT)
+        assert last.wait(timeout=300) == 0, (tmp_path / "last.log").read_text()
+    assert _wait_gone(last.pid) == [], "the resumed run left processes behind"
+    assert _orphan_shm_files() == [], "shared-memory files of the killed runs are still there"
 
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["steps"] == 7
-    assert [r["checkpoint"] for r in summary["resumes"]] == [survives]
+    assert [r["step"] for r in summary["resumes"]] == [2, 4, 4]
     samples = summary["samples"]
     assert samples["accounted"] and samples["trained"] == samples["generated"] == 7 * 16
     final = load_file(run_dir / "checkpoint" / "model.safetensors")

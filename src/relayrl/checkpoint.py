@@ -30,6 +30,15 @@ from relayrl import faults
 
 DIRECTORY = "checkpoints"
 MANIFEST = "manifest.json"
+RESUMES = "resumes.jsonl"  # in the run directory: one line per resume
+
+
+def resumes(run_dir: Path) -> list[dict]:
+    """Every resume of the run in ``run_dir``, oldest first."""
+    path = run_dir / RESUMES
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
 FORMAT = 1
 
 
@@ -157,7 +166,7 @@ class Checkpointer:
     around the write) between two train steps. A checkpoint is due every ``run.checkpoint_every``
     steps, and once after ``request_stop`` (the first Ctrl-C), after which ``after`` raises
     ``KeyboardInterrupt``. ``context`` is the controller's own part: the summary sections of the
-    start, the resumes so far, and whatever else ``train`` needs to continue.
+    start, and whatever else ``train`` needs to continue.
     """
 
     _stop_requested = False  # process-wide: set from a signal handler
@@ -254,14 +263,16 @@ class Checkpointer:
         # What was in flight when the checkpoint was written never reaches this run's trainer.
         dropped = self.context.pop("in_flight")
         self.tally.dropped_resume += dropped
-        self.context["resumes"].append(
-            {
-                "step": self.tally.steps,
-                "checkpoint": path.name,
-                "dropped_resume": dropped,
-                "time": time.time(),
-            }
-        )
+        record = {
+            "step": self.tally.steps,
+            "checkpoint": path.name,
+            "dropped_resume": dropped,
+            "time": time.time(),
+        }
+        # Every resume, also one whose run died before its next checkpoint (and so is not in the
+        # books of the checkpoint the next resume takes).
+        with (self.run_dir / RESUMES).open("a") as f:
+            f.write(json.dumps(record) + "\n")
         with (self.run_dir / "metrics.jsonl").open("r+b") as f:  # later steps are run again
             f.truncate(self.context.pop("metrics_bytes"))
         say(f"resuming {self.run_dir} from {path.name} (step {self.tally.steps})")

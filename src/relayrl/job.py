@@ -19,7 +19,7 @@ from pathlib import Path
 
 import ray
 
-from relayrl.checkpoint import Checkpointer, merge_spans
+from relayrl.checkpoint import Checkpointer, merge_spans, resumes
 from relayrl.config import Config, save_config
 from relayrl.controller import LOOPS
 from relayrl.envs.embodied import EmbodiedEnv
@@ -54,7 +54,7 @@ def train(
     parts = ckpt.resume() if resume else None
     save_config(cfg, run_dir / "config.yaml")
     head = {"workload": cfg.workload, "mode": cfg.mode, "run_dir": str(run_dir)}
-    head["resumes"] = ckpt.context.get("resumes", [])
+    head["resumes"] = resumes(run_dir)
     _write_summary(run_dir, head | {"status": "running", "steps": tally.steps})
     log = ckpt.log = MetricsLog(
         run_dir,
@@ -73,7 +73,7 @@ def train(
         say(f"placed on {placed['nodes']} node(s); connecting weight sync")
         sync = connect_weight_sync(cfg, workload.trainer, workload.receivers())
         if parts is None:
-            ckpt.context = {"sections": workload.prepare(log), "origin": started, "resumes": []}
+            ckpt.context = {"sections": workload.prepare(log), "origin": started}
         else:
             ckpt.restore(parts)
         sections = dict(ckpt.context["sections"])
@@ -104,13 +104,7 @@ def train(
             "error": repr(err),
             "steps": tally.steps,
             "staleness": tally.staleness(),
-            "samples": {
-                "generated": tally.generated,
-                "trained": tally.trained,
-                "dropped_stale": tally.dropped_stale,
-                "dropped_resume": tally.dropped_resume,
-                "lost": tally.lost,
-            },
+            "samples": tally.books(),
             "failures": tally.failure_summary(),
         }
         if isinstance(err, ExecutorFailed):

@@ -155,6 +155,16 @@ class RunTally:
         self.failures.append(record)
         self.lost += record["lost"]
 
+    def books(self) -> dict[str, int]:
+        """The sample counts the controller keeps (an LLM run's books, less what is in flight)."""
+        return {
+            "generated": self.generated,
+            "trained": self.trained,
+            "dropped_stale": self.dropped_stale,
+            "dropped_resume": self.dropped_resume,
+            "lost": self.lost,
+        }
+
     def failure_summary(self) -> dict:
         """summary.json's ``failures``: each role's deaths, oldest first."""
         by_role: dict[str, list[dict]] = {}

@@ -171,11 +171,7 @@ class LLMWorkload:
             },
             "staleness": tally.staleness() | {"max_staleness": self.cfg.max_staleness},
             "samples": {
-                "generated": tally.generated,
-                "trained": tally.trained,
-                "dropped_stale": tally.dropped_stale,
-                "dropped_resume": tally.dropped_resume,
-                "lost": tally.lost,
+                **tally.books(),
                 "lost_unfinished": sum(f["unfinished"] for f in tally.failures),
                 "in_flight": in_flight,
                 "accounted": tally.generated
