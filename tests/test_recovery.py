@@ -77,7 +77,9 @@ def test_killed_generators_and_rewarders_are_replaced_and_the_books_balance(
     monkeypatch.setitem(job.WORKLOADS, "llm", Kept)
     cfg = tiny_config(*SMALL, f"mode={mode}", "steps=8", "generator.replicas=2", "sync.timeout_s=5")
     run_dir = tmp_path / "run"
-    kills = [(2, "generator", 0, "ray.kill"), (4, "rewarder", 0, "os.kill")]
+    # Each role is killed both ways over the two modes.
+    how = ("ray.kill", "os.kill") if mode == "async" else ("os.kill", "ray.kill")
+    kills = [(2, "generator", 0, how[0]), (4, "rewarder", 0, how[1])]
     killer = _kill_at(run_dir, kills)
     summary = job.train(cfg, run_dir)
     killer.join(timeout=1)
@@ -117,7 +119,8 @@ def test_killed_inference_replicas_and_rollout_workers_are_replaced_and_the_book
     monkeypatch.setitem(job.WORKLOADS, "embodied", KeptEmbodied)
     cfg = tiny_config(*EMBODIED, f"mode={mode}", "steps=5")
     run_dir = tmp_path / "run"
-    kills = [(1, "inference_service", 0, "ray.kill"), (3, "rollout_worker", 1, "os.kill")]
+    how = ("ray.kill", "os.kill") if mode == "async" else ("os.kill", "ray.kill")
+    kills = [(1, "inference_service", 0, how[0]), (3, "rollout_worker", 1, how[1])]
     killer = _kill_at(run_dir, kills)
     summary = job.train(cfg, run_dir)
     killer.join(timeout=1)
