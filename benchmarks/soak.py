@@ -10,10 +10,11 @@ For each workload (LLM: ``configs/arith.yaml``; embodied: ``configs/babyai.yaml`
   it ends near the time budget at the rate measured so far;
 - every 5 s it samples the resident memory (RSS) of every process of the run by role.
 
-It reports, per workload: the failures the run survived (from ``summary.json``, by role), samples
-lost against generated, the books (``accounted``), peak RSS per role and its trend (a least-squares
-slope, MB per minute, of each role's largest RSS over the second half of the run), and the
-weight-sync shared-memory files left in ``/dev/shm`` at the end. Run from the repository root::
+It reports, per workload: the actors killed and the failures in the final ``summary.json``
+(by role; a failure after the last checkpoint before the whole-run kill is not in the resumed
+run's books), samples lost against generated, the books (``accounted``), peak RSS per role and
+its trend (a least-squares slope, MB per minute, of each role's largest RSS over the second half
+of the run), and the weight-sync shared-memory files left in ``/dev/shm`` at the end. Run from the repository root::
 
     python benchmarks/soak.py                       # 15 minutes each, ~31 minutes
     python benchmarks/soak.py --minutes 4 --workloads llm
@@ -237,10 +238,10 @@ def plot(result: dict, path: Path) -> Path:
 def table(result: dict) -> str:
     """Markdown summary of the runs."""
     lines = [
-        "| workload | minutes | steps | kills (actors + whole run) | failures survived | "
-        "lost / generated | accounted | peak RSS MB by role | trend MB/min (2nd half) | "
+        "| workload | minutes | steps | actors killed | whole-run kills | failures in the final "
+        "summary | lost / generated | accounted | peak RSS MB by role | trend MB/min (2nd half) | "
         "/dev/shm at end |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run in result["runs"]:
         s = run["samples"]
@@ -248,7 +249,8 @@ def table(result: dict) -> str:
         trend = ", ".join(f"{r} {v:+.1f}" for r, v in sorted(run["rss_trend_mb_per_min"].items()))
         lines.append(
             f"| {run['workload']} | {run['wall_s'] / 60:.1f} | {run['steps']} | "
-            f"{len(run['kills'])} | {run['failures']} | "
+            f"{sum(k['role'] != 'whole run' for k in run['kills'])} | "
+            f"{sum(k['role'] == 'whole run' for k in run['kills'])} | {run['failures']} | "
             f"{s.get('lost', 0)} / {s.get('generated', 0)} | {s.get('accounted')} | {peaks} | "
             f"{trend} | {run['shm_bytes_at_end']} B |"
         )
@@ -258,11 +260,16 @@ def table(result: dict) -> str:
 def main() -> None:
     """Parse arguments, soak each workload, write the result."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--redraw", type=Path, help="only redraw the table and plot of a result")
     parser.add_argument("--minutes", type=float, default=15.0, help="per workload")
     parser.add_argument("--workloads", nargs="+", default=list(RUNS), choices=list(RUNS))
     parser.add_argument("--kill-every", type=float, nargs=2, default=(60.0, 120.0))
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     args = parser.parse_args()
+    if args.redraw is not None:
+        result = json.loads(args.redraw.read_text())
+        save_result(args.redraw.parent, args.redraw.stem, result, plot, table(result))
+        return
     work = REPO / "runs" / "soak"  # run directories and logs (checkpoints): not results
     work.mkdir(parents=True, exist_ok=True)
     runs = [soak(w, args.minutes, tuple(args.kill_every), work) for w in args.workloads]

@@ -88,7 +88,10 @@ def dead_executor(err: BaseException, groups: list[Group]) -> str | None:
 
 
 def first_line(err: BaseException) -> str:
-    """The first line of an error's message, with its type."""
+    """The first line of an error's message, with its type (of its cause, for a task's error
+    caused by an actor's death)."""
+    cause = getattr(err, "cause", None)
+    err = cause if isinstance(cause, DEATHS) else err
     text = str(err).strip().splitlines()
     return f"{type(err).__name__}: {text[0]}" if text else type(err).__name__
 
