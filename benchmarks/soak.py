@@ -14,7 +14,8 @@ It reports, per workload: the actors killed and the failures in the final ``summ
 (by role; a failure after the last checkpoint before the whole-run kill is not in the resumed
 run's books), samples lost against generated, the books (``accounted``), peak RSS per role and
 its trend (a least-squares slope, MB per minute, of each role's largest RSS over the second half
-of the run), and the weight-sync shared-memory files left in ``/dev/shm`` at the end. Run from the repository root::
+of the run), and the weight-sync shared-memory files left in ``/dev/shm`` at the end. Run
+from the repository root::
 
     python benchmarks/soak.py                       # 15 minutes each, ~31 minutes
     python benchmarks/soak.py --minutes 4 --workloads llm
