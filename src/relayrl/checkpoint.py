@@ -215,11 +215,13 @@ class Checkpointer:
         if self._stop_requested:
             raise KeyboardInterrupt
 
-    async def write(self, in_flight: int = 0) -> Path:
+    async def write(self, in_flight: int = 0) -> Path | None:
         """Write the checkpoint of the current step: trainer ranks write their own parts, every
-        other executor's state and the controller's come through here."""
+        other executor's state and the controller's come through here. An executor that dies
+        meanwhile skips this checkpoint (None): the next one is due ``checkpoint_every`` later."""
         from relayrl.observability.metrics import say
         from relayrl.observability.tracing import collect_spans
+        from relayrl.recovery import DEATHS, first_line
 
         step, w = self.tally.steps, self.workload
         # The books first, before any await: async loops go on counting while executors save.
@@ -231,11 +233,17 @@ class Checkpointer:
         }
         staged = staging(self.run_dir, step)
         ranks = [rank.save_checkpoint.remote(str(staged)) for rank in w.trainer]
-        parts = await w.snapshot()
-        controller["spans"] = merge_spans(self.spans, collect_spans(w.traced(), self.tally.idle))
-        entries = [save_part(staged, name, state) for name, state in parts.items()]
+        try:
+            parts = await w.snapshot()
+            spans = collect_spans(w.traced(), self.tally.idle)
+            entries = await asyncio.gather(*ranks)
+        except DEATHS as err:  # the loop replaces the executor, or stops if it was a rank
+            shutil.rmtree(staged, ignore_errors=True)
+            say(f"checkpoint step-{step:08d} skipped: {first_line(err)}")
+            return None
+        controller["spans"] = merge_spans(self.spans, spans)
+        entries += [save_part(staged, name, state) for name, state in parts.items()]
         entries.append(save_part(staged, "controller", controller))
-        entries += await asyncio.gather(*ranks)
         faults.reach("checkpoint")
         path = commit(staged, step, entries, self.cfg.run.keep_checkpoints)
         self.written.append(path)

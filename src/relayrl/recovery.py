@@ -134,13 +134,21 @@ class WorkerRuns:
         self.watch = asyncio.ensure_future(self._watch())
 
     async def stop(self) -> None:
-        """Stop the watch (after a revival in progress) and every run (after its last put)."""
+        """Stop the watch (after a revival in progress) and every run (after its last put); a
+        worker that dies meanwhile is replaced (the next ``start`` starts its run)."""
         async with self._reviving:
             self.watch.cancel()
             await asyncio.gather(self.watch, return_exceptions=True)
             await self._revive_ended()
-        await asyncio.gather(*(worker.stop.remote() for worker in self.w.workers))
-        await asyncio.gather(*self.runs)
+            workers = self.w.workers
+            stops = await asyncio.gather(
+                *(worker.stop.remote() for worker in workers), return_exceptions=True
+            )
+            ended = await asyncio.gather(*self.runs, return_exceptions=True)
+            for i, (stop, run) in enumerate(zip(stops, ended, strict=True)):
+                err = next((e for e in (stop, run) if isinstance(e, BaseException)), None)
+                if err is not None:
+                    await self._replace_dead(i, err)
 
     def _run(self, i: int) -> asyncio.Future:
         worker = self.w.workers[i]
@@ -159,13 +167,18 @@ class WorkerRuns:
             err = run.exception()
             if err is None:
                 raise RuntimeError(f"rollout worker {i}'s run returned before it was stopped")
-            if not is_death(err):
-                raise err
-            services = self.w.services
-            s = i % len(services)
-            if not await alive(services[s]):
-                await self.recovery.replace(services, s, err)
-            if not await alive(self.w.workers[i]):
-                await self.w.retire(i)
-                await self.recovery.replace(self.w.workers, i, err, unfinished=None)
+            await self._replace_dead(i, err)
             self.runs[i] = self._run(i)
+
+    async def _replace_dead(self, i: int, err: BaseException) -> None:
+        """Worker ``i``'s call failed with ``err``: replace its inference replica and itself,
+        whichever died (re-raise an error that is no death)."""
+        if not is_death(err):
+            raise err
+        services = self.w.services
+        s = i % len(services)
+        if not await alive(services[s]):
+            await self.recovery.replace(services, s, err)
+        if not await alive(self.w.workers[i]):
+            await self.w.retire(i)
+            await self.recovery.replace(self.w.workers, i, err, unfinished=None)
