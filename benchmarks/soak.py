@@ -27,6 +27,7 @@ go to ``runs/soak/``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -159,12 +160,18 @@ def soak(workload: str, minutes: float, kill_every: tuple[float, float], out: Pa
                 os.kill(pid, signal.SIGKILL)
             next_kill = now + rng.uniform(*kill_every)
         checkpointed = any((run_dir / "checkpoints").glob("step-*"))
-        if not resumed and now >= half and checkpointed:
-            os.killpg(proc.pid, signal.SIGKILL)
+        died = proc.poll() is not None
+        if not resumed and died and not checkpointed:
+            break  # the run failed before its first checkpoint: nothing to resume
+        if not resumed and (now >= half or died) and checkpointed:
+            with contextlib.suppress(ProcessLookupError):  # it may have failed on its own
+                os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             while session_processes(proc.pid):
                 time.sleep(0.5)
-            kills.append({"t": time.time() - begin, "role": "whole run", "step": step})
+            kills.append(
+                {"t": time.time() - begin, "role": "whole run", "step": step, "had_died": died}
+            )
             (s0, t0) = first_step or (0, begin)
             rate = (step - s0) / max(now - t0, 1.0)
             total = step + max(int(rate * (deadline - time.time())), 1)
