@@ -121,6 +121,7 @@ def test_killed_inference_replicas_and_rollout_workers_are_replaced_and_the_book
     run_dir = tmp_path / "run"
     how = ("ray.kill", "os.kill") if mode == "async" else ("os.kill", "ray.kill")
     kills = [(1, "inference_service", 0, how[0]), (3, "rollout_worker", 1, how[1])]
+    kills.append((4, "evaluator", 1, how[0]))  # found by the final evaluation
     killer = _kill_at(run_dir, kills)
     summary = job.train(cfg, run_dir)
     killer.join(timeout=1)
@@ -129,6 +130,8 @@ def test_killed_inference_replicas_and_rollout_workers_are_replaced_and_the_book
     failures = summary["failures"]
     assert [f["name"] for f in failures["inference_service"]] == ["inference_service"]
     assert [f["name"] for f in failures["rollout_worker"]] == ["rollout_worker_1"]
+    assert [f["name"] for f in failures["evaluator"]] == ["evaluator_1"]
+    assert summary["eval"]["end"]["n"] == cfg.env.eval_episodes
     samples = check_books(summary)
     assert samples["lost"] == 0  # nothing counted died: the buffer and the trainer live
     # The replacement replica serves the trainer's last version.

@@ -238,6 +238,7 @@ class Checkpointer:
             spans = collect_spans(w.traced(), self.tally.idle)
             entries = await asyncio.gather(*ranks)
         except DEATHS as err:  # the loop replaces the executor, or stops if it was a rank
+            await asyncio.gather(*ranks, return_exceptions=True)  # before their files go
             shutil.rmtree(staged, ignore_errors=True)
             say(f"checkpoint step-{step:08d} skipped: {first_line(err)}")
             return None

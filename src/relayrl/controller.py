@@ -222,7 +222,7 @@ async def run_lockstep(
     super-batch holds ``replay.batch_steps`` env steps. No segment is left open between rounds,
     so every step trained was chosen by the current weights: every lag is 0.
     """
-    recovery = Recovery(w, sync, tally)
+    recovery = w.recovery = Recovery(w, sync, tally)  # evaluations use it too
     while tally.steps < cfg.steps:
         start, segments = time.time(), []
         while sum(len(s) for s in segments) < cfg.replay.batch_steps:
@@ -264,7 +264,8 @@ async def run_streaming(
     replica, which drains its forward pass in flight before swapping them in. Returns the env
     steps of the super-batch fetched but never trained, and the buffer occupancy after each step.
     """
-    runs = WorkerRuns(w, Recovery(w, sync, tally), BufferSink(w.replay_buffer))
+    w.recovery = Recovery(w, sync, tally)  # evaluations replace dead evaluators too
+    runs = WorkerRuns(w, w.recovery, BufferSink(w.replay_buffer))
     runs.start()
     trainer_idle = tally.idle[w.trainer.names[0]]
     version, occupancy = (await w.trainer[0].stats.remote())["version"], []

@@ -70,8 +70,9 @@ class Recovery:
             group.actors[index] = await asyncio.to_thread(
                 self.workload.recreate, group.role, index, incarnation
             )
-            await self.sync.reconnect(self.workload.receivers())
-        say(f"{name} replaced; weight sync reconnected")
+            if name in self.sync.receivers:
+                await self.sync.reconnect(self.workload.receivers())
+        say(f"{name} replaced")
         return group.actors[index]
 
 

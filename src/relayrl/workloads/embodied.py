@@ -64,6 +64,7 @@ class EmbodiedWorkload:
         self.retired: dict[int, tuple[int, int]] = {}
         self.seen: dict[int, tuple[int, int]] = {}  # the same, of segments collected in lockstep
         self.worker_ids: list[int] = []
+        self.recovery: Recovery | None = None  # set by a loop that replaces dead executors
         self.evaluators = Group("evaluator", [])
         greedy = "greedy" if cfg.env.eval_greedy else "sampled"
         self.legend = {"eval_label": f"evaluation success ({greedy})"}
@@ -174,9 +175,18 @@ class EmbodiedWorkload:
             self.worker_ids[index] = index + incarnation * self.cfg.rollout.workers
             ray.get(worker.__ray_call__.remote(set_task_weights, self.choice.weights()))
             return worker
+        if role == "evaluator":
+            worker = self._worker(role, index, incarnation)
+            ray.get(worker.__ray_call__.remote(set_task_weights, self._eval_weights()))
+            return worker
         raise ValueError(
-            f"a {role} is not replaced: only inference replicas and rollout workers are"
+            f"a {role} is not replaced: only inference replicas, rollout workers and evaluators are"
         )
+
+    def _eval_weights(self) -> list[float]:
+        """The evaluators' task weights: ``env.eval_tasks`` only, or every task."""
+        chosen = self.cfg.env.eval_tasks
+        return [float(chosen is None or t in chosen) for t in self.tasks]
 
     async def retire(self, index: int) -> tuple[int, int]:
         """Keep the books of dead rollout worker ``index`` as of the last segment it closed (from
@@ -274,7 +284,7 @@ class EmbodiedWorkload:
                     f"env.eval_tasks={cfg.env.eval_tasks} must be a non-empty subset of the env's "
                     f"tasks {list(self.tasks)}; unknown: {unknown}"
                 )
-            weights = [float(t in cfg.env.eval_tasks) for t in self.tasks]
+            weights = self._eval_weights()
             ray.get([w.__ray_call__.remote(set_task_weights, weights) for w in self.evaluators])
         say(f"evaluating {cfg.env.eval_episodes} episodes before RL")
         start = asyncio.run(self.evaluate())
@@ -335,7 +345,17 @@ class EmbodiedWorkload:
         version = (await self.services[0].stats.remote())["version"]
         n, k = self.cfg.env.eval_episodes, len(self.evaluators)
         quotas = [n // k + (i < n % k) for i in range(k)]
-        await self.lockstep(self.evaluators, quotas, greedy=self.cfg.env.eval_greedy)
+        while True:
+            try:
+                await self.lockstep(self.evaluators, quotas, greedy=self.cfg.env.eval_greedy)
+                break
+            except DEATHS as err:  # replace the dead evaluators; play all the episodes again
+                if self.recovery is None:
+                    raise
+                for i, evaluator in enumerate(self.evaluators):
+                    if not await alive(evaluator):
+                        await self.recovery.replace(self.evaluators, i, err, unfinished=None)
+                await asyncio.gather(*(w.episode_results.remote() for w in self.evaluators))
         drained = await asyncio.gather(*(w.episode_results.remote() for w in self.evaluators))
         results = [r for rs in drained for r in rs]
         per_task: dict[str, list[bool]] = {}
