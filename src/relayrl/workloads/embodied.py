@@ -249,7 +249,11 @@ class EmbodiedWorkload:
         """
         parts = await snapshot(self._executors())
         parts["task_choice"] = self.choice.state_dict()
-        parts["retired_workers"] = {"retired": dict(self.retired), "seen": dict(self.seen)}
+        parts["retired_workers"] = {
+            "retired": dict(self.retired),
+            "seen": dict(self.seen),
+            "worker_ids": list(self.worker_ids),
+        }
         workers = self.workers.named() | self.evaluators.named()
         await asyncio.gather(*(w.load_state_dict.remote(parts[n]) for n, w in workers.items()))
         return parts
@@ -260,6 +264,14 @@ class EmbodiedWorkload:
         self.choice.load_state_dict(parts["task_choice"])
         self.retired = dict(parts["retired_workers"]["retired"])
         self.seen = dict(parts["retired_workers"]["seen"])
+        # A worker goes on under the id its books were kept by (a replacement's is not i).
+        self.worker_ids = list(parts["retired_workers"]["worker_ids"])
+        ray.get(
+            [
+                w.__ray_call__.remote(_set_worker_id, worker_id)
+                for w, worker_id in zip(self.workers, self.worker_ids, strict=True)
+            ]
+        )
 
     async def prefetched(self) -> int:
         """Env steps the replay buffer handed out that no trainer rank has received yet (a fetch
@@ -481,6 +493,11 @@ class EmbodiedWorkload:
                 "accounted": generated == trained + sum(dropped.values()) + sum(in_flight.values()),
             },
         }
+
+
+def _set_worker_id(worker: RolloutWorker, worker_id: int) -> None:
+    """Run inside a rollout worker actor: the id its segments carry from now on."""
+    worker.worker_id = worker_id
 
 
 class TaskChoice:
