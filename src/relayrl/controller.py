@@ -54,7 +54,7 @@ async def run_sync(
     one batch, which every trainer rank trains on. Ray runs an actor's calls in submission order,
     so the next ``generate`` always comes after this step's ``update_weights``.
     """
-    recovery = Recovery(w, sync, tally)
+    recovery = w.recovery = Recovery(w, sync, tally)  # evaluations use it too
     while tally.steps < cfg.steps:
         meta_refs, batches = zip(
             *(g.generate.options(num_returns=2).remote() for g in w.generators), strict=True
@@ -130,7 +130,7 @@ async def run_async(
     started = {"batches": tally.steps}  # a resumed run has nothing in flight
     held: dict[str, int] = {}  # samples a loop holds between two channels, by loop
 
-    recovery = Recovery(w, sync, tally)
+    recovery = w.recovery = Recovery(w, sync, tally)  # evaluations use it too
     batch = cfg.generator.prompts_per_step * cfg.generator.group_size
 
     async def rollout_loop(i: int, name: str) -> None:

@@ -22,6 +22,7 @@ from relayrl.launch import (
     snapshot,
 )
 from relayrl.observability.metrics import MetricsLog, RunTally, say
+from relayrl.recovery import DEATHS, Recovery, alive
 
 
 class LLMWorkload:
@@ -43,6 +44,7 @@ class LLMWorkload:
         self.generators = Group("generator", [])
         self.rewarders = Group("rewarder", [])
         self.legend: dict[str, str] = {}  # learning-curve labels: the plot's defaults
+        self.recovery: Recovery | None = None  # set by a loop that replaces dead executors
 
     def place(self) -> None:
         """Create the trainer ranks and the generator and rewarder replicas, and form the
@@ -131,11 +133,20 @@ class LLMWorkload:
     async def evaluate(self, split: str = "heldout") -> dict:
         """Greedy accuracy of generator replica 0's policy on a split, and what it cost."""
         start = time.time()
-        generator, rewarder = self.generators[0], self.rewarders[0]
-        score_ref, _ = rewarder.score.options(num_returns=2).remote(
-            generator.evaluate.remote(split)
-        )
-        score = await score_ref
+        while True:
+            generator, rewarder = self.generators[0], self.rewarders[0]
+            score_ref, _ = rewarder.score.options(num_returns=2).remote(
+                generator.evaluate.remote(split)
+            )
+            try:
+                score = await score_ref
+                break
+            except DEATHS as err:  # replace the dead one (it serves the newest weights), again
+                if self.recovery is None:
+                    raise
+                for group in (self.generators, self.rewarders):
+                    if not await alive(group[0]):
+                        await self.recovery.replace(group, 0, err)
         version = (await generator.stats.remote())["version"]
         return {
             "accuracy": score["reward_mean"],
