@@ -86,6 +86,7 @@ import torch
 from common import git_state, machine, relative, save_result
 
 from relayrl import parallel
+from relayrl.checkpoint import Checkpointer
 from relayrl.config import Config, load_config
 from relayrl.controller import run_async
 from relayrl.executors.trainer_core import TrainerCore
@@ -100,6 +101,7 @@ from relayrl.launch import (
 )
 from relayrl.observability.metrics import MetricsLog, RunTally
 from relayrl.observability.tracing import Span, Tracer, busy_seconds
+from relayrl.recovery import Recovery
 from relayrl.types import RolloutBatch, RolloutMeta, StepResult
 from relayrl.weight_sync import TRANSPORTS, Ticket, chunk_rows
 from relayrl.weight_sync.base import TrainerSide
@@ -647,6 +649,7 @@ def config_for(args: argparse.Namespace, point: dict, transport: str, tmp: Path)
         [
             "mode=async",
             f"steps={point['warmup'] + point['measured']}",
+            "run.checkpoint_every=0",  # the loop is measured, not its checkpoints
             f"max_staleness={point['max_staleness']}",
             f"generator.replicas={point['replicas']}",
             f"generator.prompts_per_step={args.prompts}",
@@ -723,7 +726,11 @@ def run_loop(
     threads = thread_cpu()
     wall, main_cpu, main_thread = time.time(), time.process_time(), time.thread_time()
     try:
-        loop = asyncio.run(asyncio.wait_for(run_async(cfg, workload, sync, tally, log), deadline))
+        workload.recovery = Recovery(workload, sync, tally)
+        ckpt = Checkpointer(cfg, run_dir, workload, tally, log)
+        loop = asyncio.run(
+            asyncio.wait_for(run_async(cfg, workload, sync, tally, log, ckpt), deadline)
+        )
     except asyncio.TimeoutError:
         loop = {"in_flight": None}
     finally:

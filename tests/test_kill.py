@@ -16,6 +16,7 @@ import pytest
 import torch
 from conftest import TINY, shm_files
 from safetensors.torch import load_file
+from test_controller import SMALL
 
 from relayrl.config import load_config
 from relayrl.faults import PAUSE_AT, PAUSE_MARKER
@@ -24,18 +25,9 @@ from relayrl.job import train
 ROOT = Path(__file__).resolve().parents[1]
 RUN = [
     *TINY,
-    "mode=sync",
-    "steps=7",
-    "log.every=1",
-    "run.checkpoint_every=2",
-    "run.keep_checkpoints=4",
-    "generator.prompts_per_step=4",
-    "generator.group_size=4",
-    "generator.max_new_tokens=4",
-    "generator.max_new_tokens_per_step=4",
-    "task.digits=1",
-    "task.heldout_size=20",
-    "trainer.lr=1e-2",
+    *SMALL,
+    *("mode=sync", "steps=7", "warm_start.max_steps=0"),
+    *("run.checkpoint_every=2", "run.keep_checkpoints=4"),
 ]
 CONFIG = str(ROOT / "configs" / "arith.yaml")
 

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from relayrl import faults
+from relayrl.weight_sync.disk import fsync_path
 
 DIRECTORY = "checkpoints"
 MANIFEST = "manifest.json"
@@ -81,12 +82,12 @@ def commit(staged: Path, step: int, entries: list[dict], keep: int) -> Path:
         json.dump(manifest, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
-    _fsync_dir(staged)
+    fsync_path(staged)
     final = staged.parent / f"step-{step:08d}"
     if final.exists():
         shutil.rmtree(final)
     os.rename(staged, final)
-    _fsync_dir(staged.parent)
+    fsync_path(staged.parent)
     prune(staged.parent.parent, keep)
     return final
 
@@ -149,14 +150,6 @@ def _sha256(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class Checkpointer:

@@ -54,7 +54,7 @@ async def run_sync(
     one batch, which every trainer rank trains on. Ray runs an actor's calls in submission order,
     so the next ``generate`` always comes after this step's ``update_weights``.
     """
-    recovery = w.recovery = Recovery(w, sync, tally)  # evaluations use it too
+    recovery = w.recovery
     while tally.steps < cfg.steps:
         meta_refs, batches = zip(
             *(g.generate.options(num_returns=2).remote() for g in w.generators), strict=True
@@ -130,7 +130,7 @@ async def run_async(
     started = {"batches": tally.steps}  # a resumed run has nothing in flight
     held: dict[str, int] = {}  # samples a loop holds between two channels, by loop
 
-    recovery = w.recovery = Recovery(w, sync, tally)  # evaluations use it too
+    recovery = w.recovery
     batch = cfg.generator.prompts_per_step * cfg.generator.group_size
 
     async def rollout_loop(i: int, name: str) -> None:
@@ -222,7 +222,7 @@ async def run_lockstep(
     super-batch holds ``replay.batch_steps`` env steps. No segment is left open between rounds,
     so every step trained was chosen by the current weights: every lag is 0.
     """
-    recovery = w.recovery = Recovery(w, sync, tally)  # evaluations use it too
+    recovery = w.recovery
     while tally.steps < cfg.steps:
         start, segments = time.time(), []
         while sum(len(s) for s in segments) < cfg.replay.batch_steps:
@@ -264,7 +264,6 @@ async def run_streaming(
     replica, which drains its forward pass in flight before swapping them in. Returns the env
     steps of the super-batch fetched but never trained, and the buffer occupancy after each step.
     """
-    w.recovery = Recovery(w, sync, tally)  # evaluations replace dead evaluators too
     runs = WorkerRuns(w, w.recovery, BufferSink(w.replay_buffer))
     runs.start()
     trainer_idle = tally.idle[w.trainer.names[0]]

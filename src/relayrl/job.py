@@ -28,7 +28,7 @@ from relayrl.observability.metrics import MetricsLog, RunTally, say
 from relayrl.observability.plots import plot_learning_curve
 from relayrl.observability.report import write_report
 from relayrl.observability.tracing import busy_seconds, collect_spans, save_trace
-from relayrl.recovery import ExecutorFailed, dead_executor, is_death
+from relayrl.recovery import ExecutorFailed, Recovery, dead_executor, is_death
 from relayrl.workloads import WORKLOADS, Workload
 
 
@@ -72,6 +72,8 @@ def train(
         placed = topology(workload.groups(), cfg.placement)
         say(f"placed on {placed['nodes']} node(s); connecting weight sync")
         sync = connect_weight_sync(cfg, workload.trainer, workload.receivers())
+        # From here a dead replica is replaced, in the loops and in evaluations alike.
+        workload.recovery = Recovery(workload, sync, tally)
         if parts is None:
             ckpt.context = {"sections": workload.prepare(log), "origin": started}
         else:

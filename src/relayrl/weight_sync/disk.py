@@ -68,10 +68,10 @@ class Publisher:
         path = os.path.join(self.directory, f"shard{self.shard}-v{version}.safetensors")
         save_file({n: t.detach().contiguous() for n, t in tensors.items()}, path + ".tmp")
         if self.durable:
-            _fsync(path + ".tmp")
+            fsync_path(path + ".tmp")
         os.replace(path + ".tmp", path)
         if self.durable:
-            _fsync(self.directory)
+            fsync_path(self.directory)
         self._files.append(path)
         while len(self._files) > KEEP:
             os.unlink(self._files.pop(0))
@@ -92,7 +92,8 @@ class Publisher:
             self._tmp.cleanup()
 
 
-def _fsync(path: str) -> None:
+def fsync_path(path: str | os.PathLike) -> None:
+    """fsync a file or a directory (a directory's entry names: a rename, a new file) by path."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

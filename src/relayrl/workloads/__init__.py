@@ -23,6 +23,7 @@ class Workload(Protocol):
     trainer: Group
     placement: Any  # the run's Placement once placed, else None
     legend: dict[str, str]  # learning-curve labels
+    recovery: Any  # the run's relayrl.recovery.Recovery once weight sync is connected, else None
 
     def place(self) -> None:
         """Create every role's actors."""

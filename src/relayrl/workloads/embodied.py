@@ -64,7 +64,7 @@ class EmbodiedWorkload:
         self.retired: dict[int, tuple[int, int]] = {}
         self.seen: dict[int, tuple[int, int]] = {}  # the same, of segments collected in lockstep
         self.worker_ids: list[int] = []
-        self.recovery: Recovery | None = None  # set by a loop that replaces dead executors
+        self.recovery: Recovery | None = None  # set once weight sync is connected
         self.evaluators = Group("evaluator", [])
         greedy = "greedy" if cfg.env.eval_greedy else "sampled"
         self.legend = {"eval_label": f"evaluation success ({greedy})"}

@@ -44,7 +44,7 @@ class LLMWorkload:
         self.generators = Group("generator", [])
         self.rewarders = Group("rewarder", [])
         self.legend: dict[str, str] = {}  # learning-curve labels: the plot's defaults
-        self.recovery: Recovery | None = None  # set by a loop that replaces dead executors
+        self.recovery: Recovery | None = None  # set once weight sync is connected
 
     def place(self) -> None:
         """Create the trainer ranks and the generator and rewarder replicas, and form the
