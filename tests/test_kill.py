@@ -129,7 +129,8 @@ def test_a_run_killed_three_times_resumes_to_the_uninterrupted_result(uninterrup
 
 def test_ctrl_c_writes_a_checkpoint_that_resume_finishes_from(tmp_path):
     run_dir = tmp_path / "run"
-    run = [*RUN, "steps=12", "run.checkpoint_every=0"]
+    # Steps of this tiny run take milliseconds: 400 of them outlast the wait for the first.
+    run = [*RUN, "steps=400", "run.checkpoint_every=0"]
     with (tmp_path / "interrupted.log").open("w") as log:
         proc = _cli(CONFIG, "--run-dir", str(run_dir), *run, stdout=log, stderr=log)
         metrics, deadline = run_dir / "metrics.jsonl", time.time() + 180
@@ -143,12 +144,13 @@ def test_ctrl_c_writes_a_checkpoint_that_resume_finishes_from(tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "interrupted" and summary["resume"].endswith(str(run_dir))
     stopped_at = summary["steps"]
-    assert 1 <= stopped_at < 12
+    assert 1 <= stopped_at < 400
     assert [p.name for p in (run_dir / "checkpoints").glob("step-*")] == [f"step-{stopped_at:08d}"]
 
+    last = stopped_at + 3
     with (tmp_path / "resumed.log").open("w") as log:
-        resumed = _cli("--resume", str(run_dir), stdout=log, stderr=subprocess.STDOUT)
+        resumed = _cli("--resume", str(run_dir), f"steps={last}", stdout=log, stderr=log)
         assert resumed.wait(timeout=300) == 0, (tmp_path / "resumed.log").read_text()
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["status"] == "finished" and summary["steps"] == 12
+    assert summary["status"] == "finished" and summary["steps"] == last
     assert summary["resumes"][0]["step"] == stopped_at and summary["samples"]["accounted"]

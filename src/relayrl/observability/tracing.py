@@ -102,12 +102,19 @@ def collect_spans(
     traced: dict[str, Any], seen: Mapping[str, Tracer]
 ) -> dict[str, tuple[list[Span], list[Span]]]:
     """Each executor's busy spans, and its waits: its own plus those ``seen`` by the controller
-    on its behalf (``traced``: Ray actor handles by executor name)."""
+    on its behalf (``traced``: Ray actor handles by executor name). An executor that died since
+    it was last replaced gives no spans of its own."""
     if not traced:  # a run that failed before placing anything: ray.get would start a Ray
         return {}
     import ray
 
-    traces = ray.get([handle.trace.remote() for handle in traced.values()], timeout=60)
+    refs = [handle.trace.remote() for handle in traced.values()]
+    traces = []
+    for ref in refs:
+        try:
+            traces.append(ray.get(ref, timeout=60))
+        except ray.exceptions.RayActorError:
+            traces.append(([], []))
     return {
         name: (busy, sorted(waits + (seen[name].waits if name in seen else []), key=_start))
         for name, (busy, waits) in zip(traced, traces, strict=True)
