@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import threading
-import time
 
 import pytest
 import ray
@@ -17,6 +15,7 @@ from test_embodied import SMALL as EMBODIED
 from test_embodied import check_books
 
 from relayrl import job
+from relayrl.observability.metrics import MetricsLog
 from relayrl.recovery import ExecutorFailed
 from relayrl.workloads import EmbodiedWorkload, LLMWorkload
 
@@ -43,31 +42,25 @@ def _pid(actor) -> int:
     return ray.get(actor.__ray_call__.remote(lambda _: os.getpid()), timeout=60)
 
 
-def _kill_at(run_dir, kills: list[tuple[int, str, int, str]]) -> threading.Thread:
-    """Kill ``(step, role, index, how)``: once ``metrics.jsonl`` shows step ``step``, the actor
-    ``role[index]`` of the run, by ``ray.kill`` or ``os.kill``."""
+def _kill_at(monkeypatch, kills: list[tuple[int, str, int, str]]) -> list:
+    """Kill ``(step, role, index, how)``: as the run logs step ``step``, the actor ``role[index]``
+    of the run, by ``ray.kill`` or ``os.kill``; in the driver, between two of its steps, so that
+    no step of these millisecond-long runs outpaces a kill. Returns the kills still to come."""
+    todo = sorted(kills)
 
-    def reached() -> int:
-        path = run_dir / "metrics.jsonl"
-        if not path.exists():
-            return -1
-        steps = [json.loads(line)["step"] for line in path.read_text().splitlines()]
-        return max(steps, default=-1)
+    class Killing(MetricsLog):
+        def log(self, step: int, metrics: dict) -> None:
+            super().log(step, metrics)
+            while todo and step >= todo[0][0]:
+                _, role, index, how = todo.pop(0)
+                actor = {g.role: g for g in MADE[-1].groups()}[role][index]
+                if how == "ray.kill":
+                    ray.kill(actor)
+                else:
+                    os.kill(_pid(actor), signal.SIGKILL)
 
-    def kill() -> None:
-        for step, role, index, how in kills:
-            while reached() < step:
-                time.sleep(0.05)
-            workload = MADE[-1]
-            actor = {g.role: g for g in workload.groups()}[role][index]
-            if how == "ray.kill":
-                ray.kill(actor)
-            else:
-                os.kill(_pid(actor), signal.SIGKILL)
-
-    thread = threading.Thread(target=kill, daemon=True)
-    thread.start()
-    return thread
+    monkeypatch.setattr(job, "MetricsLog", Killing)
+    return todo
 
 
 @pytest.mark.parametrize("mode", ["async", "sync"])
@@ -75,19 +68,27 @@ def test_killed_generators_and_rewarders_are_replaced_and_the_books_balance(
     ray_session, tmp_path, monkeypatch, mode
 ):
     monkeypatch.setitem(job.WORKLOADS, "llm", Kept)
-    cfg = tiny_config(*SMALL, f"mode={mode}", "steps=8", "generator.replicas=2", "sync.timeout_s=5")
+    cfg = tiny_config(
+        *SMALL,
+        f"mode={mode}",
+        "steps=8",
+        "max_staleness=1",
+        "generator.replicas=2",
+        "sync.timeout_s=5",
+    )
     run_dir = tmp_path / "run"
-    # Each role is killed both ways over the two modes.
+    # Each role is killed both ways over the two modes. Two batches lost with rewarders are one
+    # more than max_staleness: the staleness gate must not count them as still in flight.
     how = ("ray.kill", "os.kill") if mode == "async" else ("os.kill", "ray.kill")
-    kills = [(2, "generator", 0, how[0]), (4, "rewarder", 0, how[1])]
-    killer = _kill_at(run_dir, kills)
+    kills = [(2, "generator", 0, how[0]), (4, "rewarder", 0, how[1]), (6, "rewarder", 0, how[0])]
+    todo = _kill_at(monkeypatch, kills)
     summary = job.train(cfg, run_dir)
-    killer.join(timeout=1)
+    assert todo == []
 
     assert summary["status"] == "finished" and summary["steps"] == 8
     failures = summary["failures"]
     assert [f["name"] for f in failures["generator"]] == ["generator_0"]
-    assert [f["name"] for f in failures["rewarder"]] == ["rewarder"]
+    assert [f["name"] for f in failures["rewarder"]] == ["rewarder", "rewarder"]
     assert all(f["reason"] and f["time"] > 0 for fs in failures.values() for f in fs)
     samples = summary["samples"]
     assert samples["accounted"]
@@ -103,10 +104,10 @@ def test_a_dead_trainer_rank_fails_the_run_and_names_it(ray_session, tmp_path, m
     monkeypatch.setitem(job.WORKLOADS, "llm", Kept)
     cfg = tiny_config(*SMALL, "mode=async", "steps=20", "run.checkpoint_every=2")
     run_dir = tmp_path / "run"
-    killer = _kill_at(run_dir, [(3, "trainer", 0, "os.kill")])
+    todo = _kill_at(monkeypatch, [(3, "trainer", 0, "os.kill")])
     with pytest.raises(ExecutorFailed, match="trainer died"):
         job.train(cfg, run_dir)
-    killer.join(timeout=1)
+    assert todo == []
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["failed_executor"] == "trainer"
     assert summary["resume"] == f"relayrl train --resume {run_dir}"
@@ -122,9 +123,9 @@ def test_killed_inference_replicas_and_rollout_workers_are_replaced_and_the_book
     how = ("ray.kill", "os.kill") if mode == "async" else ("os.kill", "ray.kill")
     kills = [(1, "inference_service", 0, how[0]), (3, "rollout_worker", 1, how[1])]
     kills.append((4, "evaluator", 1, how[0]))  # found by the final evaluation
-    killer = _kill_at(run_dir, kills)
+    todo = _kill_at(monkeypatch, kills)
     summary = job.train(cfg, run_dir)
-    killer.join(timeout=1)
+    assert todo == []
 
     assert summary["status"] == "finished" and summary["steps"] == 5
     failures = summary["failures"]

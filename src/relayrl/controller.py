@@ -173,6 +173,11 @@ async def run_async(
             except DEATHS as err:  # the batch it was scoring dies with it
                 held[name] = 0
                 await recovery.replace(w.rewarders, i, err, lost=samples)
+                # It never reaches the trainer: the gate lets another batch start in its place
+                # (without this, max_staleness + 1 lost batches would close it for good).
+                async with published:
+                    started["batches"] -= 1
+                    published.notify_all()
                 continue
             tally.on_scored(score["busy_s"], score["errors"], score["timeouts"])
             await scored.put((samples, scored_ref), idle[name])
