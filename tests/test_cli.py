@@ -1,9 +1,10 @@
 """The ``relayrl`` command: bad configs and bad data exit 2 with one line on stderr, before Ray is
 imported.
 
-Every case runs the real entry point in a fresh interpreter. Each run pays the torch import that
-config validation needs (about 2 s), so the module starts them all at once and the tests read the
-results.
+A fresh interpreter pays the torch import that config validation needs (about 2 s): one bad
+config, one bad data file, the import checks, the help texts and the console script run the real
+entry point in fresh interpreters, all started at once; every other case calls ``cli.main`` in
+this process, which is the same code after the interpreter starts.
 """
 
 import os
@@ -103,6 +104,10 @@ sys.exit(code)
 """
 
 
+# The cases that also run as a whole process (the others run in this one).
+IN_A_PROCESS = ("unknown-key", "missing-data")
+
+
 def run(argv: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=60)
 
@@ -122,13 +127,7 @@ def tmp(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def runs(tmp) -> dict[str, subprocess.CompletedProcess]:
     relayrl = [sys.executable, "-m", "relayrl.cli"]
-    commands = {
-        name: [*relayrl, "train", *(arg.format(tmp=tmp) for arg in args)]
-        for name, (args, _) in BAD_CONFIGS.items()
-    }
-    for name, (args, _) in BAD_DATA.items():
-        args = [*args, "--run-dir", f"{{tmp}}/run-{name}"]
-        commands[name] = [*relayrl, "train", *(arg.format(tmp=tmp) for arg in args)]
+    commands = {name: [*relayrl, *_train_args(name, tmp)] for name in IN_A_PROCESS}
     commands["help"] = [*relayrl, "--help"]
     commands["train-help"] = [*relayrl, "train", "--help"]
     commands["imports"] = [sys.executable, "-c", IMPORTS_AFTER_ERROR]
@@ -141,16 +140,36 @@ def runs(tmp) -> dict[str, subprocess.CompletedProcess]:
         return {name: future.result() for name, future in futures.items()}
 
 
+def _train_args(case: str, tmp: Path) -> list[str]:
+    """``train ...`` for a case of BAD_CONFIGS or BAD_DATA (the latter with a run directory)."""
+    if case in BAD_CONFIGS:
+        args = BAD_CONFIGS[case][0]
+    else:
+        args = [*BAD_DATA[case][0], "--run-dir", f"{{tmp}}/run-{case}"]
+    return ["train", *(arg.format(tmp=tmp) for arg in args)]
+
+
+def _outcome(case: str, runs: dict, tmp: Path, capsys) -> tuple[int, str, str]:
+    """Exit code, stdout and stderr of ``relayrl train`` on a case: from its process, or from
+    ``cli.main`` in this one."""
+    if case in runs:
+        return runs[case].returncode, runs[case].stdout, runs[case].stderr
+    capsys.readouterr()
+    code = cli.main(_train_args(case, tmp))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
 @pytest.mark.parametrize("case", list(BAD_CONFIGS))
-def test_bad_config_exits_2_with_one_line_naming_the_field(case, runs, tmp):
-    result = runs[case]
+def test_bad_config_exits_2_with_one_line_naming_the_field(case, runs, tmp, capsys):
+    code, stdout, stderr = _outcome(case, runs, tmp, capsys)
     expected = BAD_CONFIGS[case][1].format(tmp=tmp)
 
-    assert result.returncode == 2, result.stderr
-    assert result.stdout == ""
-    assert "Traceback" not in result.stderr
-    lines = result.stderr.splitlines()
-    assert len(lines) == 1, result.stderr
+    assert code == 2, stderr
+    assert stdout == ""
+    assert "Traceback" not in stderr
+    lines = stderr.splitlines()
+    assert len(lines) == 1, stderr
     assert lines[0].startswith("relayrl: config error: ")
     assert expected in lines[0]
 
@@ -164,14 +183,14 @@ def test_config_error_exits_before_ray_and_the_controller_are_imported(runs):
 
 
 @pytest.mark.parametrize("case", list(BAD_DATA))
-def test_bad_data_exits_2_with_one_line_before_the_run_starts(case, runs, tmp):
-    result = runs[case]
+def test_bad_data_exits_2_with_one_line_before_the_run_starts(case, runs, tmp, capsys):
+    code, stdout, stderr = _outcome(case, runs, tmp, capsys)
     expected = BAD_DATA[case][1].format(tmp=tmp)
 
-    assert result.returncode == 2, result.stderr
-    assert result.stdout == ""
-    lines = result.stderr.splitlines()
-    assert len(lines) == 1, result.stderr
+    assert code == 2, stderr
+    assert stdout == ""
+    lines = stderr.splitlines()
+    assert len(lines) == 1, stderr
     assert lines[0].startswith("relayrl: data error: ")
     assert expected in lines[0]
     # The controller makes the run directory before it starts Ray: the run never began.
