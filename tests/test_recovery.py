@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 
 import pytest
 import ray
@@ -15,6 +16,8 @@ from test_embodied import SMALL as EMBODIED
 from test_embodied import check_books
 
 from relayrl import job
+from relayrl.config import EnvConfig
+from relayrl.launch import build_env
 from relayrl.observability.metrics import MetricsLog
 from relayrl.recovery import ExecutorFailed
 from relayrl.workloads import EmbodiedWorkload, LLMWorkload
@@ -135,5 +138,119 @@ def test_killed_inference_replicas_and_rollout_workers_are_replaced_and_the_book
     assert summary["eval"]["end"]["n"] == cfg.env.eval_episodes
     samples = check_books(summary)
     assert samples["lost"] == 0  # nothing counted died: the buffer and the trainer live
+    # A replica's requests in flight and an evaluator's episodes are in no books.
+    others = failures["inference_service"] + failures["evaluator"]
+    assert [f["unfinished"] for f in others] == [0, 0]
+    (unfinished,) = [f["unfinished"] for f in failures["rollout_worker"]]
+    if mode == "sync":  # killed between two rounds, whose last step closed each worker's segment
+        assert unfinished == 0
+    else:  # killed anywhere in its loop: the steps of its open segment (no env errors here)
+        assert 0 <= unfinished < cfg.rollout.segment_len
+    assert samples["lost_unfinished"] == unfinished
     # The replacement replica serves the trainer's last version.
     assert summary["perf"]["inference"]["versions"] == [summary["eval"]["end"]["version"]]
+
+
+REPORTS: list = []  # by Reloaded: (what its replica says of it, its env steps) of each worker
+
+
+def _reports(w: EmbodiedWorkload) -> list:
+    return [
+        (w.service_of(i).reported.remote(worker_id), worker.stats.remote())
+        for i, (worker, worker_id) in enumerate(zip(w.workers, w.worker_ids, strict=True))
+    ]
+
+
+class Reloaded(KeptEmbodied):
+    """Records ``REPORTS`` after each checkpoint reloads the rollout workers and each resume
+    loads them."""
+
+    async def snapshot(self):
+        parts = await super().snapshot()
+        REPORTS.append([(await told, (await stats)["env_steps"]) for told, stats in _reports(self)])
+        return parts
+
+    def restore(self, parts):
+        super().restore(parts)
+        REPORTS.append([(ray.get(told), ray.get(s)["env_steps"]) for told, s in _reports(self)])
+
+
+def test_checkpoints_and_resumes_tell_the_replicas_the_books_they_load_the_workers_with(
+    ray_session, tmp_path, monkeypatch
+):
+    # A reload drops a worker's open segment from its books; its replica heard the old count (a
+    # fresh one heard nothing) and would count those steps if it died before its next request.
+    monkeypatch.setitem(job.WORKLOADS, "embodied", Reloaded)
+    REPORTS.clear()
+    run = ("mode=async", "run.checkpoint_every=1")
+    job.train(tiny_config(*EMBODIED, *run, "steps=2"), tmp_path / "run")
+    job.train(tiny_config(*EMBODIED, *run, "steps=3"), tmp_path / "run", resume=True)
+    # After step 1; the resume from it (a run's last step is not checkpointed); after step 2.
+    assert len(REPORTS) == 3
+    for workers in REPORTS:
+        assert [told for told, _ in workers] == [env_steps for _, env_steps in workers]
+
+
+class Doomed:
+    """``seed -> env`` (BabyAI): the env of ``victim``'s seed crashes one step when the worker's
+    open segment holds 2 steps (the worker drops them), and in the env the worker builds next,
+    the step after the third of its open segment kills the worker's process. Its last closed
+    segment is then 2 + 3 = 5 steps behind it. The plan starts again when an episode ends
+    (closing a segment) between the two. Every step keeps to the worker's rule: a segment closes
+    when its episode ends or it holds ``segment_len`` steps."""
+
+    def __init__(self, ec: EnvConfig, victim: int, segment_len: int):
+        self.ec, self.victim, self.segment_len = ec, victim, segment_len
+        self.open = 0  # steps in the worker's open segment
+        self.crashed = False  # since the worker's last closed segment
+
+    def __call__(self, seed: int):
+        env = build_env(self.ec, seed)
+        return _DoomedEnv(env, self) if seed == self.victim else env
+
+
+class _DoomedEnv:
+    def __init__(self, env, plan: Doomed):
+        self.env, self.plan = env, plan
+        self.action_space, self.tasks = env.action_space, env.tasks
+
+    def reset(self, *, task=None, seed=None):
+        return self.env.reset(task=task, seed=seed)
+
+    def step(self, action):
+        plan = self.plan
+        if not plan.crashed and plan.open == 2:
+            plan.crashed, plan.open = True, 0
+            raise RuntimeError("simulator crashed")
+        if plan.crashed and plan.open == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+        result = self.env.step(action)
+        plan.open += 1
+        if result.terminated or result.truncated or plan.open == plan.segment_len:
+            plan.open, plan.crashed = 0, False
+        return result
+
+    def close(self):
+        self.env.close()
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_a_dead_rollout_workers_steps_after_its_last_segment_are_lost_unfinished(
+    ray_session, tmp_path, mode
+):
+    # The env factory lives in this module, which Ray's workers cannot import.
+    ray_session.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    cfg = tiny_config(*EMBODIED, f"mode={mode}")
+    victim = cfg.run.seed + 1 + 1000  # rollout worker 0's env (EmbodiedWorkload._worker)
+    doomed = Doomed(cfg.env, victim, cfg.rollout.segment_len)
+    summary = job.train(cfg, tmp_path / "run", make_env=doomed)
+
+    assert summary["status"] == "finished" and summary["steps"] == cfg.steps
+    (failure,) = summary["failures"]["rollout_worker"]
+    assert failure["name"] == "rollout_worker_0"
+    # 2 steps an env error dropped and 3 open, all after its last closed segment. Not 6 (step
+    # calls answered: the crashed one took no env step) nor 7 (actions served: the last one was
+    # never taken).
+    assert failure["unfinished"] == 5
+    samples = check_books(summary)
+    assert samples["lost_unfinished"] == 5 and samples["dropped_error"] == 0

@@ -232,7 +232,7 @@ async def run_lockstep(
         start, segments = time.time(), []
         while sum(len(s) for s in segments) < cfg.replay.batch_steps:
             try:
-                await w.lockstep(w.workers, [1] * len(w.workers), into=segments)
+                await w.lockstep(w.workers, [1] * len(w.workers), into=segments, books=w.stepped)
             except DEATHS as err:
                 w.note(segments)  # the books the dead worker's last segments carry
                 await w.revive(recovery, err)

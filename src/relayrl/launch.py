@@ -531,13 +531,14 @@ def set_task_weights(worker: RolloutWorker, weights: list[float]) -> None:
 
 
 class ServiceClient:
-    """What a rollout worker actor calls for an action: the inference-service actor, blocking."""
+    """What a rollout worker actor calls for an action: the inference-service actor, blocking;
+    the request names the worker and carries its env steps so far."""
 
     def __init__(self, service: Any):
         self.service = service
 
-    def __call__(self, obs: Observation) -> ActReply:
-        return ray.get(self.service.act.remote(obs))
+    def __call__(self, obs: Observation, worker: int, env_steps: int) -> ActReply:
+        return ray.get(self.service.act.remote(obs, worker, env_steps))
 
 
 class BufferSink:

@@ -117,8 +117,9 @@ class WorkerRuns:
 
     A run that ends because its worker or its worker's inference replica died is restarted once
     the dead actor is replaced. A replaced worker's books (env steps, steps dropped by env
-    errors) are kept as of the last segment it put; the steps of the segment it had open died
-    with it, uncounted (their number is unknown, at most ``rollout.segment_len - 1``).
+    errors) are kept as of the last segment it put; the steps it took after that died with it,
+    uncounted, and its failure record reports them as ``unfinished`` (see
+    ``EmbodiedWorkload.retire``).
     """
 
     def __init__(self, workload: Any, recovery: Recovery, sink: Any):
@@ -181,5 +182,5 @@ class WorkerRuns:
         if not await alive(services[s]):
             await self.recovery.replace(services, s, err)
         if not await alive(self.w.workers[i]):
-            await self.w.retire(i)
-            await self.recovery.replace(self.w.workers, i, err, unfinished=None)
+            unfinished = await self.w.retire(i)
+            await self.recovery.replace(self.w.workers, i, err, unfinished=unfinished)

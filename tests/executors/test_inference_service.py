@@ -210,6 +210,36 @@ def test_close_fails_the_request_in_flight_and_the_waiting_ones():
         assert isinstance(result, RuntimeError) and str(result) == "inference service closed"
 
 
+def test_the_service_keeps_each_workers_latest_env_steps_from_its_requests():
+    policy = GatedPolicy()
+
+    async def main():
+        service = InferenceService(policy, max_batch=8, max_wait_ms=0)
+        waiting = asyncio.create_task(service.act(obs(1, 0), 3, 40))
+        assert await asyncio.to_thread(policy.started.wait, 10)
+        # Kept on arrival: a worker that dies waiting for its reply has reported its steps.
+        on_arrival = await service.reported(3)
+        policy.release.set()
+        await waiting
+        for env_steps in (41, 42):
+            await service.act(obs(1, 0), 3, env_steps)
+        await service.act(obs(2, 0), 5, 7)
+        await service.act(obs(9, 0))  # a request that names no worker (a benchmark's)
+        await service.act_batch([obs(4, 0)])  # lockstep and evaluators: the controller counts
+        before = {w: await service.reported(w) for w in (3, 5, 0)}
+        await service.report(5, 6)  # a checkpoint reloaded worker 5 without its open segment
+        after = await service.reported(5)
+        replacement = InferenceService(EncodingPolicy())
+        await replacement.load_state_dict(await service.state_dict())
+        return on_arrival, before, after, await replacement.reported(3)
+
+    on_arrival, before, after, replaced = asyncio.run(main())
+    assert on_arrival == 40
+    assert before == {3: 42, 5: 7, 0: None}
+    assert after == 6
+    assert replaced is None  # a replica that takes over knows only what the next request says
+
+
 def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="max_batch must be >= 1, got 0"):
         InferenceService(EncodingPolicy(), max_batch=0)

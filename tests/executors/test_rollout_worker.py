@@ -15,7 +15,7 @@ import torch
 from relayrl.envs.embodied import ActionSpace, Observation, StepResult
 from relayrl.executors.inference_service import ActReply, InferenceService
 from relayrl.executors.replay_buffer import ReplayBuffer
-from relayrl.executors.rollout_worker import EpisodeResult, RolloutWorker
+from relayrl.executors.rollout_worker import EpisodeResult, RolloutWorker, Stepped
 
 
 class ScriptedEnv:
@@ -80,7 +80,8 @@ def drive(worker: RolloutWorker, steps: int, version: int = 0) -> list:
     out = []
     for _ in range(steps):
         obs = worker.observe()
-        out += worker.step(np.array([obs.step % 4]), np.array([-obs.step / 100]), obs.step, version)
+        tokens, logprobs = np.array([obs.step % 4]), np.array([-obs.step / 100])
+        out += worker.step(tokens, logprobs, obs.step, version).segments
     return out
 
 
@@ -123,8 +124,11 @@ def test_env_crashes_are_contained_counted_and_the_env_rebuilt():
     # The first env raises at its 5th step; its replacement fails its first reset.
     factory = Factory({"fail_step": [5]}, {"fail_reset": [1]}, {})
     worker = RolloutWorker(0, factory, segment_len=3, seed=0)
-    segs = drive(worker, 5)  # steps 1-3 make a segment, step 4 opens one, step 5 crashes
+    segs = drive(worker, 4)  # steps 1-3 make a segment, step 4 opens one
     assert [len(s) for s in segs] == [3]
+    worker.observe()
+    crashed = worker.step(np.array([0]), np.array([0.0]), 0.0, 0)  # step 5 crashes: no env step
+    assert crashed == Stepped([], worker=0, env_steps=4)
     stats = worker.stats()
     assert (stats["env_steps"], stats["env_errors"], stats["dropped_error_steps"]) == (4, 1, 1)
     assert stats["last_errors"] == ["step: RuntimeError: sim crashed at call 5"]
@@ -172,13 +176,18 @@ def test_the_task_sampler_picks_the_task_at_each_reset():
 
 
 def test_run_loops_until_max_segments_or_stop():
-    def service(obs: Observation) -> ActReply:
+    asked = []
+
+    def service(obs: Observation, worker: int, env_steps: int) -> ActReply:
+        asked.append((worker, env_steps))
         return ActReply(np.array([1]), np.array([-0.5], np.float32), 0.25, version=3)
 
-    worker = RolloutWorker(0, Factory(), segment_len=3, seed=0)
+    worker = RolloutWorker(4, Factory(), segment_len=3, seed=0)
     segments: list = []
     assert worker.run(service, segments.append, max_segments=5) == 5
     assert [len(s) for s in segments] == [3, 3, 1, 3, 3]
+    # Each request carries the worker's id and the env steps it took before it (a reset is none).
+    assert asked == [(4, n) for n in range(13)]
     assert all(s.versions.tolist() == [3] * len(s) for s in segments)
     assert worker.stats()["open_steps"] == 0
 
@@ -218,8 +227,9 @@ def test_workers_run_through_the_inference_service_into_the_replay_buffer():
     loop_thread.start()
     service = InferenceService(PixelPolicy(), max_batch=3, max_wait_ms=5)
 
-    def act(obs: Observation) -> ActReply:
-        return asyncio.run_coroutine_threadsafe(service.act(obs), loop).result(timeout=30)
+    def act(obs: Observation, worker: int, env_steps: int) -> ActReply:
+        call = service.act(obs, worker, env_steps)
+        return asyncio.run_coroutine_threadsafe(call, loop).result(timeout=30)
 
     buffer = ReplayBuffer(1000, max_staleness=None)
     workers = [RolloutWorker(i, Factory(), segment_len=3, seed=i) for i in range(3)]
@@ -232,6 +242,10 @@ def test_workers_run_through_the_inference_service_into_the_replay_buffer():
     for t in threads:
         t.join(30)
     stats = asyncio.run_coroutine_threadsafe(service.stats(), loop).result(timeout=30)
+    reported = [
+        asyncio.run_coroutine_threadsafe(service.reported(i), loop).result(timeout=30)
+        for i in range(3)
+    ]
     asyncio.run_coroutine_threadsafe(service.close(), loop).result(timeout=30)
     loop.call_soon_threadsafe(loop.stop)
     loop_thread.join(10)
@@ -241,6 +255,8 @@ def test_workers_run_through_the_inference_service_into_the_replay_buffer():
         assert seg.actions[:, 0].tolist() == [p // 10 % 4 for p in pixels(seg)[:-1]]
         assert seg.values.tolist() == pixels(seg)[:-1]
     assert stats["requests"] == sum(w.stats()["env_steps"] for w in workers)
+    # A worker's last request came before its last step, which closed its sixth segment.
+    assert reported == [w.stats()["env_steps"] - 1 for w in workers]
     assert sum(w.stats()["wait_s"] for w in workers) > 0
 
 
@@ -250,10 +266,10 @@ class RemoteService:
     def __init__(self, handle):
         self.handle = handle
 
-    def __call__(self, obs: Observation) -> ActReply:
+    def __call__(self, obs: Observation, worker: int, env_steps: int) -> ActReply:
         import ray
 
-        return ray.get(self.handle.act.remote(obs))
+        return ray.get(self.handle.act.remote(obs, worker, env_steps))
 
 
 class RemoteSink:

@@ -116,10 +116,20 @@ class InferenceService:
         self.sync_timeout_s = sync_timeout_s
         self.receiver = None
         self.sync_receive: list[float] = []  # per received publish, in order
+        self._reported: dict[int, int] = {}  # rollout worker id -> env steps at its last request
         self._reset_counters()
 
-    async def act(self, obs: Observation) -> ActReply:
-        """Queue one observation for the next batch and return its reply (sampled actions)."""
+    async def act(
+        self, obs: Observation, worker: int | None = None, env_steps: int = 0
+    ) -> ActReply:
+        """Queue one observation for the next batch and return its reply (sampled actions).
+
+        ``worker`` names the asking rollout worker and ``env_steps`` counts the env steps it has
+        taken so far; both are kept (on arrival, not on reply) for ``reported``. A request that
+        names no worker (a benchmark's, a test's) is not kept.
+        """
+        if worker is not None:
+            self._reported[worker] = env_steps
         self._ensure_batcher()
         future = asyncio.get_running_loop().create_future()
         self._pending.append(_Request(obs, future, time.monotonic()))
@@ -185,6 +195,17 @@ class InferenceService:
         self.sync_receive.append(stats.total_s)
         return self.version
 
+    async def reported(self, worker: int) -> int | None:
+        """The env steps rollout worker ``worker`` had taken when it last asked (or was last
+        ``report``ed); None if this replica has heard nothing of it (it asked another one, or
+        this replica took the place of one that died since)."""
+        return self._reported.get(worker)
+
+    async def report(self, worker: int, env_steps: int) -> None:
+        """Set what ``reported`` says of ``worker``: the books a checkpoint (re)loaded it with,
+        until its next request."""
+        self._reported[worker] = env_steps
+
     async def sync_stats(self) -> dict:
         """Receiver-side seconds of every receive, in order, from ticket to serving it."""
         return {"receive_s": list(self.sync_receive)}
@@ -227,7 +248,8 @@ class InferenceService:
         return self.tracer.spans, self.tracer.waits
 
     async def state_dict(self) -> dict:
-        """The policy version and the sampling generator (weights come from the trainer)."""
+        """The policy version and the sampling generator (weights come from the trainer; the
+        workers' books come with the next request, or from the controller's ``report``)."""
         return {"version": self.version, "generator": self.generator.get_state()}
 
     async def load_state_dict(self, state: dict) -> None:

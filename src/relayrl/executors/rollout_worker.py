@@ -10,6 +10,11 @@ steps of its unfinished segment are counted as ``dropped_error_steps``, the env 
 anew, and the worker carries on. Every env step is accounted for:
 ``env_steps == segment_steps + dropped_error_steps + open_steps``.
 
+The worker's books leave it with every request for an action (``run``: its id and ``env_steps``)
+and every answer to a step (``Stepped.env_steps``), besides the segments it closes: a controller
+then knows how many steps a worker that died took after the last segment it closed (all but a
+step in flight at the death, which only the dead process knew of).
+
 As a Ray actor, create it with ``max_concurrency=2`` so that ``stop``, ``stats`` and
 ``episode_results`` can be called while ``run`` loops.
 """
@@ -43,6 +48,15 @@ class EpisodeResult:
     success: bool
     episode_return: float  # sum of rewards
     length: int  # env steps
+
+
+@dataclass
+class Stepped:
+    """What one ``step`` did."""
+
+    segments: list[Segment]  # the segments it closed (none or one)
+    worker: int  # the worker's id
+    env_steps: int  # the worker's books: env steps taken, this one included if the env took it
 
 
 @dataclass
@@ -132,9 +146,9 @@ class RolloutWorker:
 
     def step(
         self, action_tokens: np.ndarray, logprobs: np.ndarray, value: float, version: int
-    ) -> list[Segment]:
+    ) -> Stepped:
         """Apply the policy's answer to the current observation; returns the segments that closed
-        on this step (none or one).
+        on this step (none or one) and the worker's env steps.
 
         ``action_tokens`` int [D] and ``logprobs`` float [D] are the action tokens and their
         behaviour log-probs, ``value`` the behaviour value estimate, ``version`` the policy version
@@ -155,7 +169,7 @@ class RolloutWorker:
             result = self.env.step(space.to_env(tokens))
         except Exception as err:  # crash containment: the worker outlives its env
             self._on_env_error(err, "step")
-            return []
+            return Stepped([], self.worker_id, self._counts["env_steps"])
         finally:
             self._busy_s += time.perf_counter() - start
         self._counts["env_steps"] += 1
@@ -179,11 +193,11 @@ class RolloutWorker:
             self._finish_episode(result.success)
         else:
             self._obs = result.obs
-        return closed
+        return Stepped(closed, self.worker_id, self._counts["env_steps"])
 
     def run(
         self,
-        service: Callable[[Observation], ActReply],
+        service: Callable[[Observation, int, int], ActReply],
         sink: Callable[[Segment], object],
         *,
         max_segments: int | None = None,
@@ -191,19 +205,21 @@ class RolloutWorker:
         """Observe, ask ``service`` for an action, step, hand each closed segment to ``sink``;
         until ``stop()`` or ``max_segments`` segments (None: no limit). Returns segments emitted.
 
-        ``service`` maps an observation to an ``ActReply`` (a Ray inference-service handle wrapped
-        in a function, or an in-process callable); ``sink`` takes a segment (e.g. puts it into the
-        replay buffer). Their errors are not contained: they propagate out of ``run``. An unfinished
-        segment stays open and continues at the next ``run`` or ``step``.
+        ``service`` maps an observation, the worker's id and its env steps so far to an
+        ``ActReply`` (a Ray inference-service handle wrapped in a function, or an in-process
+        callable); ``sink`` takes a segment (e.g. puts it into the replay buffer). Their errors
+        are not contained: they propagate out of ``run``. An unfinished segment stays open and
+        continues at the next ``run`` or ``step``.
         """
         emitted = 0
         try:
             while not self._stop.is_set() and (max_segments is None or emitted < max_segments):
                 obs = self.observe()
                 start = time.perf_counter()
-                reply = service(obs)
+                reply = service(obs, self.worker_id, self._counts["env_steps"])
                 self._wait_s += time.perf_counter() - start
-                for segment in self.step(reply.actions, reply.logprobs, reply.value, reply.version):
+                stepped = self.step(reply.actions, reply.logprobs, reply.value, reply.version)
+                for segment in stepped.segments:
                     sink(segment)
                     emitted += 1
         finally:

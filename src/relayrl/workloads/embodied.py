@@ -4,7 +4,8 @@ streamed through the replay buffer), which recomputes values and GAE and applies
 
 Samples are env steps: every step a worker took is trained, dropped (stale, evicted from a full
 buffer, or lost with a crashed env's unfinished segment) or still in flight (resident in the
-buffer, fetched for a step that never ran, or in a worker's open segment).
+buffer, fetched for a step that never ran, or in a worker's open segment). A worker that dies
+counts as of the last segment it closed; the steps it took after that are ``lost_unfinished``.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ class EmbodiedWorkload:
         # errors) as of the last segment each closed; what they did after it died with them.
         self.retired: dict[int, tuple[int, int]] = {}
         self.seen: dict[int, tuple[int, int]] = {}  # the same, of segments collected in lockstep
+        self.stepped: dict[int, int] = {}  # worker id -> env steps as of its last lockstep step
         self.worker_ids: list[int] = []
         self.recovery: Recovery | None = None  # set once weight sync is connected
         self.evaluators = Group("evaluator", [])
@@ -188,14 +190,31 @@ class EmbodiedWorkload:
         chosen = self.cfg.env.eval_tasks
         return [float(chosen is None or t in chosen) for t in self.tasks]
 
-    async def retire(self, index: int) -> tuple[int, int]:
+    async def retire(self, index: int) -> int | None:
         """Keep the books of dead rollout worker ``index`` as of the last segment it closed (from
-        the replay buffer's record, or the segments collected in lockstep); returns them."""
+        the replay buffer's record, or the segments collected in lockstep); returns the env steps
+        it took after that segment, which no books count (its open segment's, and those of a
+        segment an env error ended since).
+
+        Lockstep: as its last step returned; one that has not stepped since it was placed or
+        loaded took none (a round ends, and a checkpoint falls, with every segment closed).
+        Async: as its last request to its inference replica said; None (unknown) if that replica
+        died since. A step in flight at the death is not known.
+        """
         worker_id = self.worker_ids[index]
         found = (await self.replay_buffer.stats.remote())["workers"].get(worker_id, (0, 0))
         books = max(tuple(found), self.seen.get(worker_id, (0, 0)))
         self.retired[worker_id] = books
-        return books
+        if self.cfg.mode == "sync":
+            taken = self.stepped.get(worker_id, books[0])
+        else:
+            try:
+                taken = await self.service_of(index).reported.remote(worker_id)
+            except DEATHS:
+                taken = None
+        # Below books[0] when its last step closed a segment that reached the buffer after its
+        # last request: nothing was left open.
+        return None if taken is None else max(taken - books[0], 0)
 
     async def revive(self, recovery: Recovery, err: BaseException) -> None:
         """Replace the inference replicas and rollout workers that died (lockstep: between two
@@ -205,8 +224,8 @@ class EmbodiedWorkload:
                 await recovery.replace(self.services, s, err)
         for i, worker in enumerate(self.workers):
             if not await alive(worker):
-                await self.retire(i)
-                await recovery.replace(self.workers, i, err, unfinished=None)
+                unfinished = await self.retire(i)
+                await recovery.replace(self.workers, i, err, unfinished=unfinished)
 
     def note(self, segments: list[Segment]) -> None:
         """Remember the workers' books that segments collected in lockstep carry."""
@@ -256,6 +275,7 @@ class EmbodiedWorkload:
         }
         workers = self.workers.named() | self.evaluators.named()
         await asyncio.gather(*(w.load_state_dict.remote(parts[n]) for n, w in workers.items()))
+        await asyncio.gather(*self._report_loaded(parts))
         return parts
 
     def restore(self, parts: dict[str, Any]) -> None:
@@ -272,6 +292,18 @@ class EmbodiedWorkload:
                 for w, worker_id in zip(self.workers, self.worker_ids, strict=True)
             ]
         )
+        ray.get(self._report_loaded(parts))
+
+    def _report_loaded(self, parts: dict[str, Any]) -> list:
+        """Tell each rollout worker's inference replica the env steps the worker was loaded with
+        from ``parts``: the load dropped its open segment's steps, which its replica would count
+        (and a fresh replica knows nothing of it) if it died before its next request."""
+        return [
+            self.service_of(i).report.remote(worker_id, parts[name]["counts"]["env_steps"])
+            for i, (name, worker_id) in enumerate(
+                zip(self.workers.names, self.worker_ids, strict=True)
+            )
+        ]
 
     async def prefetched(self) -> int:
         """Env steps the replay buffer handed out that no trainer rank has received yet (a fetch
@@ -312,10 +344,12 @@ class EmbodiedWorkload:
         *,
         greedy: bool = False,
         into: list[Segment] | None = None,
+        books: dict[int, int] | None = None,
     ) -> list:
         """Step ``workers`` in lockstep, one batched forward pass per inference replica per step,
         until worker ``i`` has closed ``quotas[i]`` segments; returns the closed segments (also
-        appended to ``into`` as they close, so that a caller keeps them if an actor dies)."""
+        appended to ``into`` as they close, and each worker's env steps set in ``books`` by its
+        id as its steps return, so that a caller keeps them if an actor dies)."""
         closed: list[Segment] = [] if into is None else into
         left = list(quotas)
         while any(n > 0 for n in left):
@@ -340,14 +374,16 @@ class EmbodiedWorkload:
                 for k, i in enumerate(active)
             ]
             # Keep what the workers that stepped closed, even if another one died meanwhile.
-            stepped = await asyncio.gather(*steps, return_exceptions=True)
-            for i, segments in zip(active, stepped, strict=True):
-                if not isinstance(segments, BaseException):
-                    closed += segments
-                    left[i] -= len(segments)
-            for segments in stepped:
-                if isinstance(segments, BaseException):
-                    raise segments
+            results = await asyncio.gather(*steps, return_exceptions=True)
+            for i, stepped in zip(active, results, strict=True):
+                if not isinstance(stepped, BaseException):
+                    closed += stepped.segments
+                    left[i] -= len(stepped.segments)
+                    if books is not None:
+                        books[stepped.worker] = stepped.env_steps
+            for stepped in results:
+                if isinstance(stepped, BaseException):
+                    raise stepped
         return closed
 
     async def evaluate(self) -> dict:
@@ -365,8 +401,8 @@ class EmbodiedWorkload:
                 if self.recovery is None:
                     raise
                 for i, evaluator in enumerate(self.evaluators):
-                    if not await alive(evaluator):
-                        await self.recovery.replace(self.evaluators, i, err, unfinished=None)
+                    if not await alive(evaluator):  # its steps are in no books
+                        await self.recovery.replace(self.evaluators, i, err)
                 await asyncio.gather(*(w.episode_results.remote() for w in self.evaluators))
         drained = await asyncio.gather(*(w.episode_results.remote() for w in self.evaluators))
         results = [r for rs in drained for r in rs]
@@ -429,6 +465,7 @@ class EmbodiedWorkload:
             "dropped_resume": tally.dropped_resume,
             "lost": tally.lost,
         }
+        unfinished = [f["unfinished"] for f in tally.failures]  # rollout workers' (others: 0)
         in_flight = {
             "resident": buffer["resident_steps"],
             "prefetched": loop["prefetched"],
@@ -488,6 +525,8 @@ class EmbodiedWorkload:
                 "generated": generated,
                 "trained": trained,
                 **dropped,
+                # Outside the books (never counted as generated); None if any death's is unknown.
+                "lost_unfinished": None if None in unfinished else sum(unfinished),
                 "in_flight": sum(in_flight.values()),
                 **{f"in_flight_{k}": v for k, v in in_flight.items()},
                 "accounted": generated == trained + sum(dropped.values()) + sum(in_flight.values()),
