@@ -219,6 +219,29 @@ class TrainerConfig(_Section):
     gipo_neg_ratio: float = Field(
         0.5, gt=0, description="GIPO: negative advantages use sigma * neg_ratio."
     )
+    seq_is_cap: float = Field(
+        2.0,
+        gt=0,
+        description="tis_seq: truncation C of each sequence's importance weight prod(pi/mu) "
+        "(verl's default 2; it suggests 2..10).",
+    )
+    seq_mis_lower: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="mis_seq: sequences whose weight prod(pi/mu) is below this are masked out.",
+    )
+    seq_mis_upper: float = Field(
+        2.0,
+        ge=1,
+        description="mis_seq: sequences whose weight prod(pi/mu) is above this are masked out.",
+    )
+    m2po_tau: float = Field(
+        0.04,
+        gt=0,
+        description="M2PO: tokens with the largest (log pi/mu)^2 are masked until the mean of "
+        "the rest is <= tau (the paper's 0.04).",
+    )
     gamma: float = Field(0.99, ge=0, le=1, description="embodied: GAE discount.")
     lam: float = Field(0.95, ge=0, le=1, description="embodied: GAE lambda.")
     value_coef: float = Field(0.5, ge=0, description="embodied: weight of the value loss.")
