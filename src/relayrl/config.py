@@ -211,7 +211,8 @@ class TrainerConfig(_Section):
     skip_zero_signal: bool = Field(
         True,
         description="Leave groups whose rewards are all equal (zero advantage, zero gradient) "
-        "out of the forward/backward pass; the loss is rescaled so the update is unchanged.",
+        "out of the forward/backward pass; the loss is rescaled so the update is unchanged. "
+        "Not with m2po or ess_aipo, whose batch statistics count every group's tokens.",
     )
     aipo_rho: float = Field(4.0, gt=0, description="AIPO truncation rho (LlamaRL uses 2..10).")
     ppo_clip_eps: float = Field(0.2, gt=0, lt=1, description="PPO-clip epsilon.")

@@ -11,6 +11,8 @@ import torch
 from relayrl.algorithms.losses import (
     LOSS_OPTIONS,
     LOSSES,
+    aipo_loss,
+    batch_health,
     ess_aipo_loss,
     m2po_cutoff,
     m2po_loss,
@@ -412,3 +414,15 @@ def test_config_rejects_out_of_range_staleness_options(override):
     field = override.split("=")[0]
     with pytest.raises(ConfigError, match=f"^{field} = "):
         load_config(None, [override])
+
+
+def test_batch_health_of_the_valid_log_ratios_is_the_losses_own_ess_and_p99():
+    logp, mu_logp, advantages, mask = three_sequences()
+    _, metrics = aipo_loss(logp, mu_logp, advantages, mask)
+    # the valid tokens' log-ratios, from the docstring of three_sequences
+    health = batch_health(torch.tensor([0.2, -0.1, 0.3, -0.5, 1.0, 0.5]))
+    assert health["ess"] == pytest.approx(metrics["ess"], rel=1e-6)
+    assert health["log_ratio_p99"] == pytest.approx(metrics["log_ratio_p99"], rel=1e-6)
+    # |log r| sorted: 0.1 0.2 0.3 0.5 0.5 1.0; p99 at position 4.95: 0.5 + 0.95 * 0.5
+    assert health["log_ratio_p99"] == pytest.approx(0.975, rel=1e-6)
+    assert batch_health(torch.tensor([])) == {"ess": 1.0, "log_ratio_p99": 0.0}

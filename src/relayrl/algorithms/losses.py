@@ -525,6 +525,28 @@ LOSS_OPTIONS: dict[str, dict[str, str]] = {
 }
 
 
+def batch_health(log_ratios: Tensor) -> dict[str, float]:
+    """``ess`` and ``log_ratio_p99`` (see the module docstring) of the valid tokens' log pi / mu
+    given flat, e.g. every rank's concatenated: the two metrics a rank cannot combine from its
+    own. 1.0 and 0.0 when there are none."""
+    log_ratios = log_ratios.detach().flatten()
+    if log_ratios.numel() == 0:
+        return {"ess": 1.0, "log_ratio_p99": 0.0}
+    valid = torch.ones_like(log_ratios, dtype=torch.bool)
+    stats = torch.stack([_ess(log_ratios, valid), _masked_quantile(log_ratios.abs(), valid, 0.99)])
+    return dict(zip(("ess", "log_ratio_p99"), stats.tolist(), strict=True))
+
+
+# The losses that depend on a statistic of the whole batch: the keyword that takes it, what one
+# rank contributes (``logp, mu_logp, mask -> values``) and how the values of every rank become the
+# statistic (``values, loss keyword arguments -> statistic``). A trainer with ranks gathers the
+# contributions, reduces them alike on every rank, and passes the result.
+BATCH_STATISTICS: dict[str, tuple[str, Callable[..., Tensor], Callable[..., float]]] = {
+    "m2po": ("cutoff", m2po_sq_log_ratios, lambda values, kw: m2po_cutoff(values, kw["tau"])),
+    "ess_aipo": ("ess", sequence_log_weights, lambda values, kw: normalized_ess(values)),
+}
+
+
 def _check_shapes(**tensors: Tensor) -> None:
     if len({t.shape for t in tensors.values()}) != 1:
         *first, last = tensors

@@ -28,6 +28,7 @@ import torch
 
 from relayrl import faults, parallel
 from relayrl.algorithms.advantages import ADVANTAGES, zero_signal_samples
+from relayrl.algorithms.losses import BATCH_STATISTICS
 from relayrl.config import Config
 from relayrl.envs import build_task
 from relayrl.executors.trainer_core import TrainerCore
@@ -157,7 +158,7 @@ class Trainer(TrainerCore):
             "staleness/max": float(lag.max()),
         }
         all_tokens = int(batch.completion_len.sum())
-        if self.cfg.trainer.skip_zero_signal:
+        if self.cfg.trainer.skip_zero_signal and self.cfg.trainer.loss not in BATCH_STATISTICS:
             batch = batch.select(~zero_signal.numpy())
         if len(batch) == 0:
             return metrics, False
@@ -176,7 +177,8 @@ class Trainer(TrainerCore):
             mask = torch.zeros_like(mask)
         mu = torch.from_numpy(batch.logprobs[:, 1:])
         token_adv = advantages[:, None].expand_as(logp)
-        loss, loss_stats = self.loss_fn(logp, mu, token_adv, mask, **self.loss_kwargs)
+        options = self.loss_options(logp, mu, mask)
+        loss, loss_stats = self.loss_fn(logp, mu, token_adv, mask, **options)
         # The losses take a token mean over the tokens they see. The batch's token mean is over
         # every fresh token, of every rank and of skipped zero-advantage groups alike, so
         # neither sharding nor skipping changes the update.
@@ -187,7 +189,11 @@ class Trainer(TrainerCore):
             return metrics, False
         self.bump_version()
         metrics |= self._loss_metrics(
-            {"value": float(loss.detach())}, loss_stats, own_tokens / trainable_tokens, grad_norm
+            {"value": float(loss.detach())},
+            loss_stats,
+            own_tokens / trainable_tokens,
+            grad_norm,
+            (logp.detach() - mu)[mask.bool()],
         )
         return metrics | {
             "loss/lr": self.scheduler.get_last_lr()[0],
