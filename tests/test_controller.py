@@ -110,6 +110,12 @@ def test_in_place_dist_sync_serves_the_weights_the_trainer_trained(ray_session, 
     # On policy, the generator sampled with exactly the trainer's weights: pi/mu is 1 up to
     # rounding. A stale, torn or missing update would move it.
     assert all(abs(mean - 1) < 1e-3 and maximum < 1.01 for mean, maximum in ratios), ratios
+    # The health metrics every run logs say the same: all weight on-policy, nothing clipped.
+    health = [r for r in records if "loss/ess" in r]
+    assert len(health) == len(ratios)
+    for r in health:
+        assert r["loss/ess"] > 0.999 and r["loss/kl_mu_pi"] < 1e-5, r
+        assert r["loss/log_ratio_p99"] <= r["loss/log_ratio_max"] < 0.01, r
 
 
 def test_partial_rollouts_through_ray_keep_the_books_and_the_bound(ray_session, tmp_path):

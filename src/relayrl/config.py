@@ -497,6 +497,14 @@ class LogConfig(_Section):
             raise ValueError("W&B logging needs the wandb package: pip install 'relayrl[wandb]'")
         return value
 
+    ess_warn_below: float = Field(
+        0.3,
+        ge=0,
+        le=1,
+        description="Warn when the importance weights' normalised effective sample size "
+        "(loss/ess) stays under this for ess_warn_steps train steps in a row; 0 disables.",
+    )
+    ess_warn_steps: int = Field(5, ge=1, description="See ess_warn_below.")
     progress: bool = Field(True, description="Show a progress bar.")
     every: int = Field(10, ge=1, description="Log metrics every N RL steps.")
     eval_every: int = Field(
