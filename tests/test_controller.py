@@ -291,3 +291,38 @@ def test_async_books_balance_when_the_gate_admits_more_batches_than_the_channels
         samples["generated"] == samples["trained"] + samples["dropped_stale"] + samples["in_flight"]
     )
     assert summary["staleness"]["max"] <= 4
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_a_forced_lag_trains_every_sample_exactly_that_many_versions_old(
+    ray_session, tmp_path, mode
+):
+    # Zero-signal groups stay in, so every step takes an optimizer step and one version: the
+    # lags are then fixed by the schedule alone, whatever the rewards and the timing.
+    cfg, summary = _run(
+        tmp_path,
+        f"mode={mode}",
+        "steps=8",
+        "generator.min_lag=3",
+        "max_staleness=4",
+        "channels.capacity=3",
+        "trainer.skip_zero_signal=false",
+    )
+    per_batch = cfg.generator.prompts_per_step * cfg.generator.group_size
+    samples = summary["samples"]
+    assert summary["updates"] == 8 and samples["accounted"] and samples["dropped_stale"] == 0
+    assert samples["trained"] == 8 * per_batch
+    # Steps 1-3 train the version-0 batches that filled the pipeline (lags 0, 1, 2), steps 4-8
+    # batches exactly 3 versions old.
+    hist = {lag: n // per_batch for lag, n in summary["staleness"]["hist"].items()}
+    assert hist == {"0": 1, "1": 1, "2": 1, "3": 5}
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    lags = [(r["staleness/mean"], r["staleness/max"]) for r in records if "staleness/max" in r]
+    assert lags == [(0, 0), (1, 1), (2, 2)] + [(3, 3)] * 5
+    # The three batches generated after the one the last step trained wait (sync: all three,
+    # generated; async: those generated when the loop stopped).
+    assert 0 <= samples["in_flight"] <= 3 * per_batch
+    if mode == "sync":
+        assert samples["in_flight"] == 3 * per_batch
+    assert summary["staleness"]["min_lag"] == 3
+    assert summary["staleness"]["dropped_len_mean"] is None

@@ -163,6 +163,16 @@ class GeneratorConfig(_Section):
         description="Generator replicas, each a weight-sync receiver; in async mode each runs "
         "its own rollout loop behind the one staleness gate.",
     )
+    min_lag: int = Field(
+        0,
+        ge=0,
+        description="Force every trained sample to be exactly this many policy versions old, "
+        "whatever the machine's timing (a reproducible staleness stress test): the batch "
+        "generated on version v reaches the trainer at version v + min_lag. The first min_lag "
+        "steps fill the pipeline and train on version-0 batches (lags 0..min_lag-1). Exact with "
+        "one replica and no partial rollouts; needs max_staleness >= min_lag and, in async "
+        "mode, channels.capacity >= min_lag. 0: off (lags are what timing gives).",
+    )
     resources: dict[str, float] = _resources("generator")
 
 
@@ -603,6 +613,17 @@ class Config(_Section):
                     f"{key}: does not apply to workload={self.workload!r} (only "
                     f"workload={other!r} reads it); remove it or set workload={other}"
                 )
+        lag = self.generator.min_lag
+        if self.max_staleness < lag:
+            raise ValueError(
+                f"max_staleness={self.max_staleness} must be >= generator.min_lag={lag}: the "
+                "trainer would drop every batch the forced lag makes"
+            )
+        if self.mode == "async" and self.channels.capacity < lag:
+            raise ValueError(
+                f"channels.capacity={self.channels.capacity} must be >= generator.min_lag={lag} "
+                "in async mode: a batch waits in the channels until min_lag younger ones started"
+            )
         if self.sync.in_place and self.trainer.ranks > 1:
             raise ValueError(
                 f"sync.in_place=true with trainer.ranks={self.trainer.ranks}: FSDP2 owns the "

@@ -133,10 +133,14 @@ class Trainer(TrainerCore):
             dropped_stale=dropped,
             lags=np.bincount(lag[books & keep], minlength=self.cfg.max_staleness + 1).tolist(),
             train_s=0.0,
+            trained_tokens=int(batch.completion_len[books & keep].sum()),
+            dropped_tokens=int(batch.completion_len[books & ~keep].sum()),
+            metrics=_drop_lengths(batch.completion_len, keep),
         )
         skipped = self.skipped_nonfinite
         if keep.any():
-            result.metrics, result.stepped = self._update(batch.select(keep), lag[keep])
+            metrics, result.stepped = self._update(batch.select(keep), lag[keep])
+            result.metrics |= metrics
         result.skipped_nonfinite = self.skipped_nonfinite - skipped
         result.version = self.version
         result.train_s = time.perf_counter() - start
@@ -208,6 +212,19 @@ class Trainer(TrainerCore):
             self.model.save_pretrained(path, state_dict=state, safe_serialization=True)
             self.tokenizer.save_pretrained(path)
         return str(Path(path))
+
+
+def _drop_lengths(lengths: np.ndarray, keep: np.ndarray) -> dict[str, float]:
+    """Mean completion length of the dropped and of the kept samples of the whole batch, on a
+    step that dropped some (none otherwise: there is nothing to compare, and a 0 would drag
+    averages over steps down). Stale samples are the long ones when completions span several
+    generate calls (partial rollouts), so dropping them biases training towards short ones."""
+    if keep.all():
+        return {}
+    metrics = {"staleness/dropped_len_mean": float(lengths[~keep].mean())}
+    if keep.any():
+        metrics["staleness/trained_len_mean"] = float(lengths[keep].mean())
+    return metrics
 
 
 def _group_rows(groups: slice, batch: RolloutBatch) -> np.ndarray:

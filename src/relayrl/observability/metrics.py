@@ -97,6 +97,8 @@ TALLIED = (
     "score_errors",
     "score_timeouts",
     "lag_hist",
+    "trained_tokens",
+    "dropped_tokens",
     "gen_s",
     "score_s",
     "train_s",
@@ -148,6 +150,8 @@ class RunTally:
         self.score_errors = 0
         self.score_timeouts = 0
         self.lag_hist: Counter[int] = Counter()
+        self.trained_tokens = 0  # LLM: completion tokens of the trained samples
+        self.dropped_tokens = 0  # LLM: completion tokens of the samples dropped stale
         self.gen_s: list[float] = []
         self.score_s: list[float] = []
         self.train_s: list[float] = []
@@ -216,6 +220,8 @@ class RunTally:
         """A train step finished; returns the metrics to log for it."""
         self.trained += result.trained
         self.dropped_stale += result.dropped_stale
+        self.trained_tokens += result.trained_tokens
+        self.dropped_tokens += result.dropped_tokens
         self.skipped_nonfinite += result.skipped_nonfinite
         self.train_s.append(result.train_s)
         for lag, count in enumerate(result.lags):
@@ -263,6 +269,16 @@ class RunTally:
             "max": max(self.lag_hist, default=0),
             "hist": {str(lag): self.lag_hist[lag] for lag in sorted(self.lag_hist)},
             "ess_warnings": self.ess.warnings,
+        }
+
+    def lengths(self) -> dict:
+        """Mean completion length of the samples trained and of those dropped stale over the
+        run (LLM); the dropped mean is None when nothing was dropped."""
+        return {
+            "trained_len_mean": self.trained_tokens / self.trained if self.trained else 0.0,
+            "dropped_len_mean": (
+                self.dropped_tokens / self.dropped_stale if self.dropped_stale else None
+            ),
         }
 
     def close(self) -> None:
