@@ -158,7 +158,7 @@ async def run_async(
     started = {"batches": tally.steps}  # a resumed run has nothing in flight
     held: dict[str, int] = {}  # samples a loop holds between two channels, by loop
     lag = cfg.generator.min_lag
-    bound = lag if lag else cfg.max_staleness  # batches started but not trained, plus one
+    bound = lag if lag else cfg.max_staleness  # the gate admits bound + 1 untrained batches
 
     recovery = w.recovery
     batch = cfg.generator.prompts_per_step * cfg.generator.group_size
