@@ -1,4 +1,5 @@
-"""Helpers shared by the benchmark scripts: machine description, git state, result files."""
+"""Helpers shared by the benchmark scripts: machine description, git state, result files, and
+the supervised warm start that several benchmarks share between their runs."""
 
 from __future__ import annotations
 
@@ -7,11 +8,17 @@ import os
 import platform
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import ray
 import torch
+
+from relayrl.config import Config
+from relayrl.executors.generator import Generator
+from relayrl.executors.rewarder import Rewarder
+from relayrl.executors.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -70,3 +77,40 @@ def relative(arg: str) -> str:
     except ValueError:
         value = f".../{Path(value).name}"
     return f"{key}{sep}{value}"
+
+
+def warm_start(cfg: Config, out: Path) -> dict:
+    """The controller's warm start, run in-process; saves the checkpoint every system starts from.
+
+    Supervised slices of ``warm_start.check_every`` steps until greedy accuracy on the generator's
+    probe reaches ``warm_start.target_accuracy`` (as ``LLMWorkload._warm_start``, without Ray).
+    """
+    start = time.perf_counter()
+    trainer, generator, rewarder = Trainer(cfg), Generator(cfg), Rewarder(cfg)
+    generator.open_sync([trainer.open_sync("shm", ["generator"])])
+    ws, steps, probe = cfg.warm_start, 0, 0.0
+    while steps < ws.max_steps:
+        trainer.warm_start(min(ws.check_every, ws.max_steps - steps))
+        steps += min(ws.check_every, ws.max_steps - steps)
+        if ws.target_accuracy > 0:
+            generator.update_weights(trainer.publish())
+            probe = accuracy(generator, rewarder, "probe")
+            if probe >= ws.target_accuracy:
+                break
+    trainer.save_pretrained(str(out))
+    generator.update_weights(trainer.publish())
+    heldout = accuracy(generator, rewarder, "heldout")
+    trainer.close_sync()  # removes its shared-memory files
+    return {
+        "steps": steps,
+        "probe_accuracy": probe,
+        "heldout_accuracy": heldout,
+        "time_s": time.perf_counter() - start,
+        "parameters": sum(p.numel() for p in trainer.model.parameters()),
+    }
+
+
+def accuracy(generator: Generator, rewarder: Rewarder, split: str) -> float:
+    """Greedy accuracy of the generator's model on a split, scored as in a relayrl run."""
+    summary, _ = rewarder.score(generator.evaluate(split))
+    return summary["reward_mean"]

@@ -56,7 +56,7 @@ import ray
 import torch
 import transformers
 import trl
-from common import git_state, machine, relative, save_result
+from common import accuracy, git_state, machine, relative, save_result, warm_start
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from trl import GRPOConfig, GRPOTrainer
 
@@ -64,7 +64,6 @@ from relayrl.config import Config, load_config
 from relayrl.envs.arithmetic import AdditionTask
 from relayrl.executors.generator import Generator
 from relayrl.executors.rewarder import SCORERS, Rewarder
-from relayrl.executors.trainer import Trainer
 from relayrl.job import train
 from relayrl.models.lm import build_policy, load_tokenizer
 
@@ -212,41 +211,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.steps < 1 or args.eval_every < 1 or args.trl_threads < 1:
         parser.error("--steps, --eval-every and --trl-threads must be >= 1")
     return args
-
-
-def warm_start(cfg: Config, out: Path) -> dict:
-    """The controller's warm start, run in-process; saves the checkpoint every system starts from.
-
-    Supervised slices of ``warm_start.check_every`` steps until greedy accuracy on the generator's
-    probe reaches ``warm_start.target_accuracy`` (as ``controller._warm_start``, without Ray).
-    """
-    start = time.perf_counter()
-    trainer, generator, rewarder = Trainer(cfg), Generator(cfg), Rewarder(cfg)
-    generator.open_sync([trainer.open_sync("shm", ["generator"])])
-    ws, steps, probe = cfg.warm_start, 0, 0.0
-    while steps < ws.max_steps:
-        trainer.warm_start(min(ws.check_every, ws.max_steps - steps))
-        steps += min(ws.check_every, ws.max_steps - steps)
-        if ws.target_accuracy > 0:
-            generator.update_weights(trainer.publish())
-            probe = accuracy(generator, rewarder, "probe")
-            if probe >= ws.target_accuracy:
-                break
-    trainer.save_pretrained(str(out))
-    generator.update_weights(trainer.publish())
-    return {
-        "steps": steps,
-        "probe_accuracy": probe,
-        "heldout_accuracy": accuracy(generator, rewarder, "heldout"),
-        "time_s": time.perf_counter() - start,
-        "parameters": sum(p.numel() for p in trainer.model.parameters()),
-    }
-
-
-def accuracy(generator: Generator, rewarder: Rewarder, split: str) -> float:
-    """Greedy accuracy of the generator's model on a split, scored as in a relayrl run."""
-    summary, _ = rewarder.score(generator.evaluate(split))
-    return summary["reward_mean"]
 
 
 class TimedGRPOTrainer(GRPOTrainer):

@@ -189,7 +189,7 @@ def test_unknown_loss_lists_the_losses():
     message = config_error(ARITH, ["trainer.loss=grpo_magic"])
 
     assert message.startswith("trainer.loss = 'grpo_magic': unknown loss")
-    assert "aipo, aipo_clamp, gipo, ppo_clip" in message
+    assert "aipo, aipo_clamp, ess_aipo, gipo, m2po, mis_seq, pg, ppo_clip, tis_seq" in message
     for loss in LOSSES:
         assert loss in message
 
@@ -353,3 +353,18 @@ def test_a_saved_embodied_config_leaves_out_the_llm_knobs_and_loads_again(tmp_pa
 def test_in_place_sync_is_refused_for_a_sharded_trainer():
     message = config_error(None, ["trainer.ranks=2", "sync.transport=dist", "sync.in_place=true"])
     assert "sync.in_place=true with trainer.ranks=2" in message
+
+
+def test_a_forced_lag_beyond_max_staleness_is_refused_naming_both_fields():
+    message = config_error(None, ["generator.min_lag=3", "max_staleness=2"])
+    assert "max_staleness=2 must be >= generator.min_lag=3" in message
+    cfg = load_config(None, ["generator.min_lag=3", "max_staleness=3", "channels.capacity=3"])
+    assert cfg.generator.min_lag == cfg.max_staleness == 3
+
+
+def test_an_async_forced_lag_needs_channels_that_hold_its_batches():
+    lag = ["generator.min_lag=16", "max_staleness=64"]
+    message = config_error(None, [*lag, "channels.capacity=15"])
+    assert "channels.capacity=15 must be >= generator.min_lag=16 in async mode" in message
+    assert load_config(None, [*lag, "channels.capacity=16"]).generator.min_lag == 16
+    assert load_config(None, [*lag, "mode=sync"]).channels.capacity == 1  # sync has no channels

@@ -110,6 +110,12 @@ def test_in_place_dist_sync_serves_the_weights_the_trainer_trained(ray_session, 
     # On policy, the generator sampled with exactly the trainer's weights: pi/mu is 1 up to
     # rounding. A stale, torn or missing update would move it.
     assert all(abs(mean - 1) < 1e-3 and maximum < 1.01 for mean, maximum in ratios), ratios
+    # The health metrics every run logs say the same: all weight on-policy, nothing clipped.
+    health = [r for r in records if "loss/ess" in r]
+    assert len(health) == len(ratios)
+    for r in health:
+        assert r["loss/ess"] > 0.999 and r["loss/kl_mu_pi"] < 1e-5, r
+        assert r["loss/log_ratio_p99"] <= r["loss/log_ratio_max"] < 0.01, r
 
 
 def test_partial_rollouts_through_ray_keep_the_books_and_the_bound(ray_session, tmp_path):
@@ -285,3 +291,38 @@ def test_async_books_balance_when_the_gate_admits_more_batches_than_the_channels
         samples["generated"] == samples["trained"] + samples["dropped_stale"] + samples["in_flight"]
     )
     assert summary["staleness"]["max"] <= 4
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_a_forced_lag_trains_every_sample_exactly_that_many_versions_old(
+    ray_session, tmp_path, mode
+):
+    # Zero-signal groups stay in, so every step takes an optimizer step and one version: the
+    # lags are then fixed by the schedule alone, whatever the rewards and the timing.
+    cfg, summary = _run(
+        tmp_path,
+        f"mode={mode}",
+        "steps=8",
+        "generator.min_lag=3",
+        "max_staleness=4",
+        "channels.capacity=3",
+        "trainer.skip_zero_signal=false",
+    )
+    per_batch = cfg.generator.prompts_per_step * cfg.generator.group_size
+    samples = summary["samples"]
+    assert summary["updates"] == 8 and samples["accounted"] and samples["dropped_stale"] == 0
+    assert samples["trained"] == 8 * per_batch
+    # Steps 1-3 train the version-0 batches that filled the pipeline (lags 0, 1, 2), steps 4-8
+    # batches exactly 3 versions old.
+    hist = {lag: n // per_batch for lag, n in summary["staleness"]["hist"].items()}
+    assert hist == {"0": 1, "1": 1, "2": 1, "3": 5}
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    lags = [(r["staleness/mean"], r["staleness/max"]) for r in records if "staleness/max" in r]
+    assert lags == [(0, 0), (1, 1), (2, 2)] + [(3, 3)] * 5
+    # The three batches generated after the one the last step trained wait (sync: all three,
+    # generated; async: those generated when the loop stopped).
+    assert 0 <= samples["in_flight"] <= 3 * per_batch
+    if mode == "sync":
+        assert samples["in_flight"] == 3 * per_batch
+    assert summary["staleness"]["min_lag"] == 3
+    assert summary["staleness"]["dropped_len_mean"] is None

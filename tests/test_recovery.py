@@ -66,18 +66,21 @@ def _kill_at(monkeypatch, kills: list[tuple[int, str, int, str]]) -> list:
     return todo
 
 
-@pytest.mark.parametrize("mode", ["async", "sync"])
+@pytest.mark.parametrize(("mode", "lag"), [("async", 0), ("sync", 0), ("async", 2), ("sync", 2)])
 def test_killed_generators_and_rewarders_are_replaced_and_the_books_balance(
-    ray_session, tmp_path, monkeypatch, mode
+    ray_session, tmp_path, monkeypatch, mode, lag
 ):
     monkeypatch.setitem(job.WORKLOADS, "llm", Kept)
+    # With a forced lag the trainer trains on older batches while the lost ones are generated.
+    forced = [f"generator.min_lag={lag}", "channels.capacity=2"] if lag else []
     cfg = tiny_config(
         *SMALL,
         f"mode={mode}",
         "steps=8",
-        "max_staleness=1",
+        f"max_staleness={max(lag, 1)}",
         "generator.replicas=2",
         "sync.timeout_s=5",
+        *forced,
     )
     run_dir = tmp_path / "run"
     # Each role is killed both ways over the two modes. Two batches lost with rewarders are one

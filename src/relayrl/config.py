@@ -163,6 +163,16 @@ class GeneratorConfig(_Section):
         description="Generator replicas, each a weight-sync receiver; in async mode each runs "
         "its own rollout loop behind the one staleness gate.",
     )
+    min_lag: int = Field(
+        0,
+        ge=0,
+        description="Force every trained sample to be exactly this many policy versions old, "
+        "whatever the machine's timing (a reproducible staleness stress test): the batch "
+        "generated on version v reaches the trainer at version v + min_lag. The first min_lag "
+        "steps fill the pipeline and train on version-0 batches (lags 0..min_lag-1). Exact with "
+        "one replica and no partial rollouts; needs max_staleness >= min_lag and, in async "
+        "mode, channels.capacity >= min_lag. 0: off (lags are what timing gives).",
+    )
     resources: dict[str, float] = _resources("generator")
 
 
@@ -211,13 +221,37 @@ class TrainerConfig(_Section):
     skip_zero_signal: bool = Field(
         True,
         description="Leave groups whose rewards are all equal (zero advantage, zero gradient) "
-        "out of the forward/backward pass; the loss is rescaled so the update is unchanged.",
+        "out of the forward/backward pass; the loss is rescaled so the update is unchanged. "
+        "Not with m2po or ess_aipo, whose batch statistics count every group's tokens.",
     )
     aipo_rho: float = Field(4.0, gt=0, description="AIPO truncation rho (LlamaRL uses 2..10).")
     ppo_clip_eps: float = Field(0.2, gt=0, lt=1, description="PPO-clip epsilon.")
     gipo_sigma: float = Field(1.0, gt=0, description="GIPO Gaussian width for positive advantages.")
     gipo_neg_ratio: float = Field(
         0.5, gt=0, description="GIPO: negative advantages use sigma * neg_ratio."
+    )
+    seq_is_cap: float = Field(
+        2.0,
+        gt=0,
+        description="tis_seq: truncation C of each sequence's importance weight prod(pi/mu) "
+        "(verl's default 2; it suggests 2..10).",
+    )
+    seq_mis_lower: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="mis_seq: sequences whose weight prod(pi/mu) is below this are masked out.",
+    )
+    seq_mis_upper: float = Field(
+        2.0,
+        ge=1,
+        description="mis_seq: sequences whose weight prod(pi/mu) is above this are masked out.",
+    )
+    m2po_tau: float = Field(
+        0.04,
+        gt=0,
+        description="M2PO: tokens with the largest (log pi/mu)^2 are masked until the mean of "
+        "the rest is <= tau (the paper's 0.04).",
     )
     gamma: float = Field(0.99, ge=0, le=1, description="embodied: GAE discount.")
     lam: float = Field(0.95, ge=0, le=1, description="embodied: GAE lambda.")
@@ -473,6 +507,14 @@ class LogConfig(_Section):
             raise ValueError("W&B logging needs the wandb package: pip install 'relayrl[wandb]'")
         return value
 
+    ess_warn_below: float = Field(
+        0.3,
+        ge=0,
+        le=1,
+        description="Warn when the importance weights' normalised effective sample size "
+        "(loss/ess) stays under this for ess_warn_steps train steps in a row; 0 disables.",
+    )
+    ess_warn_steps: int = Field(5, ge=1, description="See ess_warn_below.")
     progress: bool = Field(True, description="Show a progress bar.")
     every: int = Field(10, ge=1, description="Log metrics every N RL steps.")
     eval_every: int = Field(
@@ -571,6 +613,17 @@ class Config(_Section):
                     f"{key}: does not apply to workload={self.workload!r} (only "
                     f"workload={other!r} reads it); remove it or set workload={other}"
                 )
+        lag = self.generator.min_lag
+        if self.max_staleness < lag:
+            raise ValueError(
+                f"max_staleness={self.max_staleness} must be >= generator.min_lag={lag}: the "
+                "trainer would drop every batch the forced lag makes"
+            )
+        if self.mode == "async" and self.channels.capacity < lag:
+            raise ValueError(
+                f"channels.capacity={self.channels.capacity} must be >= generator.min_lag={lag} "
+                "in async mode: a batch waits in the channels until min_lag younger ones started"
+            )
         if self.sync.in_place and self.trainer.ranks > 1:
             raise ValueError(
                 f"sync.in_place=true with trainer.ranks={self.trainer.ranks}: FSDP2 owns the "

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -53,30 +54,50 @@ async def run_sync(
     Every generator replica generates a batch; one rewarder replica (in turn) scores them all as
     one batch, which every trainer rank trains on. Ray runs an actor's calls in submission order,
     so the next ``generate`` always comes after this step's ``update_weights``.
+
+    With ``generator.min_lag`` = K the scored batches wait in a queue here, and each step trains
+    on the batch generated K steps before its own (while its own is generated): the first K
+    rounds only fill the queue, on version 0. Returns the samples left in the queue.
     """
     recovery = w.recovery
+    waiting: deque[tuple[tuple, Any]] = deque()  # (meta refs, scored ref), oldest first
     while tally.steps < cfg.steps:
         meta_refs, batches = zip(
             *(g.generate.options(num_returns=2).remote() for g in w.generators), strict=True
         )
         r = tally.steps % len(w.rewarders)
         score_ref, scored_ref = w.rewarders[r].score.options(num_returns=2).remote(*batches)
-        results = [rank.train_step.remote(scored_ref) for rank in w.trainer]
-        sync.publish()
+        waiting.append((meta_refs, scored_ref))
+        due = waiting.popleft()[1] if len(waiting) > cfg.generator.min_lag else None
+        results = [] if due is None else [rank.train_step.remote(due) for rank in w.trainer]
+        if results:
+            sync.publish()
         try:
-            metas, score, results = await asyncio.gather(
-                asyncio.gather(*meta_refs), score_ref, asyncio.gather(*results)
-            )
-        except DEATHS as err:  # the step is abandoned; the trainer did not train on it
+            metas, score = await asyncio.gather(asyncio.gather(*meta_refs), score_ref)
+        except DEATHS as err:  # this step's batch is lost
             await _recover_sync_step(cfg, w, recovery, meta_refs, r, err)
+            if due is scored_ref:  # the trainer did not train on it
+                continue
+            waiting.pop()  # with min_lag the trainer trained on an older batch meanwhile
+        else:
+            for meta in metas:
+                tally.on_generated(meta.samples, meta.busy_s)
+            tally.on_scored(score["busy_s"], score["errors"], score["timeouts"])
+        if not results:
             continue
-        for meta in metas:
-            tally.on_generated(meta.samples, meta.busy_s)
-        tally.on_scored(score["busy_s"], score["errors"], score["timeouts"])
-        if sum(meta.samples for meta in metas):
-            await _log_step(cfg, tally, log, StepResult.merge(results), w.evaluate)
-            await ckpt.maybe()
-    return {"in_flight": 0}
+        result = await _trained(w.trainer, results)
+        if result.received:  # partial rollouts: a batch in which no group finished is no step
+            await _log_step(cfg, tally, log, result, w.evaluate)
+            if ckpt.due():
+                await ckpt.write(in_flight=await _samples(waiting))
+            ckpt.after()
+    return {"in_flight": await _samples(waiting)}
+
+
+async def _samples(waiting: deque) -> int:
+    """Samples in the batches of ``waiting`` ((meta refs, scored ref) pairs)."""
+    metas = await asyncio.gather(*(ref for meta_refs, _ in waiting for ref in meta_refs))
+    return sum(meta.samples for meta in metas)
 
 
 async def _recover_sync_step(
@@ -121,6 +142,13 @@ async def run_async(
     every replica; with one that lets receivers skip versions, the replica takes only the newest,
     just before the batch. Returns the samples generated but not trained when the last step
     finished, once every replica has been handed the last version.
+
+    ``generator.min_lag`` = K forces the lag: the gate then admits K + 1 batches, and the trainer
+    takes batch ``i`` only once batch ``i + K`` has started. So batch ``i + K`` starts on the
+    weights of exactly ``i`` train steps and is trained after ``i + K``: every step takes one
+    version, each batch is K versions old (the first K start on version 0: they fill the
+    pipeline). A step that takes no optimizer step leaves the version where it is, and the K
+    batches after it are one version younger.
     """
     idle = tally.idle
     trainer_name = w.trainer.names[0]
@@ -129,21 +157,24 @@ async def run_async(
     published = asyncio.Condition()
     started = {"batches": tally.steps}  # a resumed run has nothing in flight
     held: dict[str, int] = {}  # samples a loop holds between two channels, by loop
+    lag = cfg.generator.min_lag
+    bound = lag if lag else cfg.max_staleness  # the gate admits bound + 1 untrained batches
 
     recovery = w.recovery
     batch = cfg.generator.prompts_per_step * cfg.generator.group_size
 
     async def rollout_loop(i: int, name: str) -> None:
         def may_start() -> bool:
-            return tally.steps >= started["batches"] - cfg.max_staleness
+            return tally.steps >= started["batches"] - bound
 
         pending = 0  # unfinished completions the replica holds (partial rollouts)
         while True:
             start = time.time()
             async with published:
                 await published.wait_for(may_start)
+                started["batches"] += 1
+                published.notify_all()  # min_lag: the batch this start releases may train
             idle[name].wait("staleness gate", start, time.time())
-            started["batches"] += 1
             try:
                 async with recovery.lock:  # pull: the newest weights, before this generate
                     updated = sync.refresh(name)
@@ -188,12 +219,19 @@ async def run_async(
             sync.refresh(*w.generators.names)
         return await w.evaluate()
 
+    async def lagged() -> None:  # min_lag: the next batch waits until K younger ones started
+        async with published:
+            await published.wait_for(lambda: started["batches"] > tally.steps + lag)
+
     loops = [rollout_loop(i, n) for i, n in enumerate(w.generators.names)]
     loops += [score_loop(i, n) for i, n in enumerate(w.rewarders.names)]
     workers = [asyncio.create_task(loop) for loop in loops]
     try:
         while tally.steps < cfg.steps:
             _, scored_ref = await _first_or_raise(scored.get(), workers)
+            start = time.time()
+            await _first_or_raise(lagged(), workers)
+            idle[trainer_name].wait("min_lag", start, time.time())
             result = await _train_step(w.trainer, scored_ref)
             if result.stepped:
                 async with recovery.lock:
@@ -319,7 +357,12 @@ LOOPS: dict[tuple[str, str], Callable[..., Awaitable[dict]]] = {
 async def _train_step(trainer: Group, batch_ref: Any) -> StepResult:
     """Every trainer rank trains on its share of the batch; one result for the group. A rank
     that died stops the run, naming it."""
-    calls = [r.train_step.remote(batch_ref) for r in trainer]
+    return await _trained(trainer, [r.train_step.remote(batch_ref) for r in trainer])
+
+
+async def _trained(trainer: Group, calls: list) -> StepResult:
+    """The group's result of the ranks' ``train_step`` ``calls``; a rank that died stops the
+    run, naming it."""
     try:
         return StepResult.merge(await asyncio.gather(*calls))
     except DEATHS as err:  # a dead rank, or the batch's maker (e.g. the replay buffer) died

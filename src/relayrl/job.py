@@ -24,7 +24,7 @@ from relayrl.config import Config, save_config
 from relayrl.controller import LOOPS
 from relayrl.envs.embodied import EmbodiedEnv
 from relayrl.launch import connect_weight_sync, start_ray, stop, topology
-from relayrl.observability.metrics import MetricsLog, RunTally, say
+from relayrl.observability.metrics import EssWatch, MetricsLog, RunTally, say
 from relayrl.observability.plots import plot_learning_curve
 from relayrl.observability.report import write_report
 from relayrl.observability.tracing import busy_seconds, collect_spans, save_trace
@@ -48,7 +48,9 @@ def train(
     started = time.time()
     run_dir.mkdir(parents=True, exist_ok=True)
     workload: Workload = WORKLOADS[cfg.workload](cfg, make_env)
-    tally = RunTally(cfg.steps, cfg.log.progress)
+    tally = RunTally(
+        cfg.steps, cfg.log.progress, EssWatch(cfg.log.ess_warn_below, cfg.log.ess_warn_steps)
+    )
     Checkpointer.clear_stop()
     ckpt = Checkpointer(cfg, run_dir, workload, tally, None)
     parts = ckpt.resume() if resume else None

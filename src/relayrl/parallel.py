@@ -64,6 +64,23 @@ def shard(model: nn.Module) -> None:
             module.set_force_sum_reduction_for_comms(True)
 
 
+def gather_cat(values: Tensor) -> Tensor:
+    """The 1-D ``values`` of every rank, concatenated in rank order (float64); a collective when
+    a process group exists, ``values`` as given otherwise. Ranks may hold different counts."""
+    values = values.detach().flatten().double()
+    if not (dist.is_available() and dist.is_initialized()):
+        return values
+    world = dist.get_world_size()
+    counts = [torch.zeros(1, dtype=torch.long) for _ in range(world)]
+    dist.all_gather(counts, torch.tensor([values.numel()]))
+    width = max(int(c) for c in counts)
+    padded = torch.zeros(width, dtype=torch.float64)
+    padded[: values.numel()] = values
+    gathered = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(gathered, padded)
+    return torch.cat([g[: int(c)] for g, c in zip(gathered, counts, strict=True)])
+
+
 def share(count: int, rank: int, world: int) -> slice:
     """``rank``'s contiguous block of ``count`` items: blocks in rank order, sizes differing by
     at most one (the first ``count % world`` ranks take one more); possibly empty."""

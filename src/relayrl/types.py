@@ -149,6 +149,9 @@ class StepResult:
     lags: list[int]  # lags[k]: trained samples k versions old
     train_s: float  # seconds the step took
     skipped_nonfinite: int = 0  # optimizer steps (minibatches) skipped for a nan or inf loss/norm
+    # LLM: completion tokens of the trained and of the dropped samples (the length bias of drops)
+    trained_tokens: int = 0
+    dropped_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
 
     @classmethod
@@ -166,5 +169,7 @@ class StepResult:
             lags=[sum(r.lags[k] for r in results if k < len(r.lags)) for k in range(width)],
             train_s=max(r.train_s for r in results),
             skipped_nonfinite=first.skipped_nonfinite,
+            trained_tokens=sum(r.trained_tokens for r in results),
+            dropped_tokens=sum(r.dropped_tokens for r in results),
             metrics=first.metrics,
         )

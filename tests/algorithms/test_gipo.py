@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from relayrl.algorithms.losses import LOSSES, gipo_loss, ppo_clip_loss
+from relayrl.algorithms.losses import LOSSES, METRIC_KEYS, gipo_loss, ppo_clip_loss
 
 TOL = {"atol": 1e-5, "rtol": 0.0}
 
@@ -120,7 +120,7 @@ def test_gipo_empty_mask_gives_zero_loss_with_a_gradient_path():
     loss.backward()
     assert loss.item() == 0.0
     close(logp.grad, [[0.0, 0.0]])
-    assert metrics == {"ratio_mean": 0.0, "ratio_max": 0.0, "clip_frac": 0.0}
+    assert metrics == {key: 0.0 for key in METRIC_KEYS} | {"ess": 1.0}
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,7 @@ import torch
 
 from relayrl.algorithms.losses import (
     LOSSES,
+    METRIC_KEYS,
     aipo_clamp_loss,
     aipo_loss,
     masked_mean,
@@ -107,7 +108,9 @@ def test_on_policy_gradient_is_vanilla_policy_gradient(name):
 
     # At ratio 1 no weight is truncated and no clip is active: grad = -A * mask / n
     close(logp.grad, (-advantages * mask / n).tolist())
-    assert metrics == pytest.approx({"ratio_mean": 1.0, "ratio_max": 1.0, "clip_frac": 0.0})
+    on_policy = {"ratio_mean": 1.0, "ratio_max": 1.0, "clip_frac": 0.0, "ess": 1.0}
+    on_policy |= {"log_ratio_max": 0.0, "log_ratio_p99": 0.0, "kl_mu_pi": 0.0}
+    assert {key: metrics[key] for key in METRIC_KEYS} == pytest.approx(on_policy)
 
 
 @pytest.mark.parametrize("name", sorted(LOSSES))
@@ -120,7 +123,10 @@ def test_all_zero_mask_gives_zero_loss_that_backpropagates(name):
 
     assert loss.item() == 0.0
     assert torch.equal(logp.grad, torch.zeros(1, 4))
-    assert metrics == {"ratio_mean": 0.0, "ratio_max": 0.0, "clip_frac": 0.0}
+    # Every metric is 0 but the ESS, which is 1: an empty batch is not a degenerate one.
+    assert {key: metrics[key] for key in METRIC_KEYS} == {key: 0.0 for key in METRIC_KEYS} | {
+        "ess": 1.0
+    }
 
 
 @pytest.mark.parametrize("name", sorted(LOSSES))

@@ -89,6 +89,45 @@ def test_a_step_changes_parameters_and_bumps_the_version():
     trainer.sync.publisher.close()
 
 
+def test_dropping_stale_groups_reports_the_lengths_of_what_was_dropped_and_trained():
+    trainer = Trainer(tiny_config("max_staleness=1"))
+    trainer.version = 3
+    batch = _batch([1, 3, 0])  # lags 2, 0, 3: the first and last groups are dropped
+    batch.completion_len[:] = [2, 2, 1, 1, 2, 1]
+    batch.versions[[2, 3, 5], 4] = -1  # those rows' second completion token is padding
+    result = trainer.train_step(batch)
+    assert (result.dropped_stale, result.trained) == (4, 2)
+    assert (result.dropped_tokens, result.trained_tokens) == (2 + 2 + 2 + 1, 1 + 1)
+    assert result.metrics["staleness/dropped_len_mean"] == 7 / 4
+    assert result.metrics["staleness/trained_len_mean"] == 1.0
+    assert result.metrics["staleness/max"] == 0.0
+
+    # nothing dropped: neither is reported (a 0 would pull averages over steps down)
+    result = trainer.train_step(_batch([trainer.version]))
+    assert result.trained_tokens == 4 and result.dropped_tokens == 0
+    assert not any("len_mean" in key for key in result.metrics)
+
+    # everything dropped: only the dropped mean
+    result = trainer.train_step(_batch([0]))
+    assert result.metrics == {"staleness/dropped_len_mean": 2.0} and not result.stepped
+
+
+def test_the_run_tally_reports_the_run_level_lengths_of_dropped_and_trained_samples():
+    trainer = Trainer(tiny_config("max_staleness=0"))
+    tally = RunTally(steps=2, progress=False)
+    tally.start()
+    assert tally.lengths() == {"trained_len_mean": 0.0, "dropped_len_mean": None}
+    short = _batch([0])
+    short.completion_len[:] = 1
+    short.versions[:, 4] = -1
+    tally.on_trained(trainer.train_step(short))  # 2 samples of 1 token trained; now version 1
+    tally.on_trained(trainer.train_step(_batch([0, 1])))  # 2 of 2 dropped, 2 of 2 trained
+    tally.close()
+    assert (tally.trained, tally.dropped_stale) == (4, 2)
+    # per sample, not per step: (1 + 1 + 2 + 2) / 4 and (2 + 2) / 2
+    assert tally.lengths() == {"trained_len_mean": 1.5, "dropped_len_mean": 2.0}
+
+
 def test_an_empty_batch_is_a_step_that_takes_no_update():
     trainer = Trainer(tiny_config("max_staleness=1"))
     result = trainer.train_step(_batch([0]).select(np.array([False, False])))

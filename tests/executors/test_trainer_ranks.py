@@ -168,6 +168,29 @@ def test_two_llm_ranks_warm_start_and_step_as_one_trainer(ray_session, tmp_path)
     assert_same_weights(tmp_path / "two", tmp_path / "one", "model.safetensors")
 
 
+@pytest.mark.parametrize(
+    ("loss", "statistic"), [("m2po", "loss/clip_frac"), ("ess_aipo", "loss/ess_scale")]
+)
+def test_losses_with_a_batch_statistic_take_it_over_every_rank(
+    ray_session, tmp_path, loss, statistic
+):
+    """M2PO's cutoff and the ESS of ess_aipo are statistics of the whole batch: each rank's own
+    would give another step. Group 1 carries no signal and still counts (it is not skipped)."""
+    cfg = tiny_config(f"trainer.loss={loss}", "trainer.lr=0.01")
+    one = Trainer(cfg)
+    batches = [rollouts([step] * 5, seed=10 + step, zero_signal=1) for step in range(2)]
+    with trainer_group(Trainer, cfg) as ranks:
+        for batch in batches:
+            results = on_all(ranks, "train_step", ray.put(batch))
+            reference = one.train_step(batch)
+            # the statistic is at work: tokens masked, or the step scaled down
+            assert 0 < reference.metrics[statistic] < 1, reference.metrics
+            assert_merged_books(results, reference)
+        on_all(ranks, "save_pretrained", str(tmp_path / "two"))
+    one.save_pretrained(str(tmp_path / "one"))
+    assert_same_weights(tmp_path / "two", tmp_path / "one", "model.safetensors")
+
+
 def test_a_rank_with_only_stale_groups_joins_every_collective(ray_session, tmp_path):
     cfg = tiny_config("trainer.loss=aipo", "max_staleness=1", "trainer.lr=0.01")
     one = Trainer(cfg)

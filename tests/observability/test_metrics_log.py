@@ -8,7 +8,7 @@ import time
 import pytest
 
 from relayrl.config import ConfigError, load_config
-from relayrl.observability.metrics import MetricsLog
+from relayrl.observability.metrics import EssWatch, MetricsLog
 
 
 def test_jsonl_holds_every_logged_step(tmp_path):
@@ -50,3 +50,16 @@ def test_tensorboard_events_are_written(tmp_path):
 def test_wandb_project_validates_mode():
     with pytest.raises(ConfigError, match="log.wandb_mode"):
         load_config(None, ["log.wandb_project=x", "log.wandb_mode=cloud"])
+
+
+def test_the_ess_watch_warns_once_per_stretch_of_low_ess_steps():
+    watch = EssWatch(below=0.3, steps=3)
+    essays = [0.2, 0.1, 0.5, 0.2, 0.2, 0.25, 0.1, 0.05, 0.9, 0.1, 0.1, 0.1]
+    warned = [step for step, ess in enumerate(essays, 1) if watch.see(step, {"loss/ess": ess})]
+    # the third low step in a row warns, and the stretch does not warn again; 0.9 ends it
+    assert warned == [6, 12] and watch.warnings == 2
+    assert watch.see(13, {"loss/ratio_mean": 1.0}) is None  # no ESS logged: nothing to say
+    message = EssWatch(0.3, 1).see(7, {"loss/ess": 0.125})
+    assert "step 7" in message and "under 0.3 for 1 steps (now 0.125)" in message
+    off = EssWatch(below=0.0, steps=1)
+    assert off.see(1, {"loss/ess": 0.0}) is None and off.warnings == 0

@@ -11,27 +11,72 @@ Shapes and meaning (B sequences of T tokens):
 - ``advantages``  [B, T] per-token advantage; a constant.
 - ``mask``        [B, T] bool or 0/1 float; true on tokens that count (response, not padding).
 
+A row is one sequence: the sequence-level losses (``tis_seq``, ``mis_seq``) and the ESS of
+``ess_aipo`` take the product of a row's valid-token ratios.
+
 Aggregation is a token-mean over every valid token in the batch: sum over masked tokens divided by
 the number of masked tokens (DAPO's token-level mean). DeepSeekMath's GRPO instead averages within
 each sequence first, and Dr. GRPO divides by a constant; we use the token-mean so that long and
-short responses weigh each token equally. An all-zero mask gives a zero loss still connected to
-``logp``, so backward() works on a batch with nothing to learn from. Padding may hold anything,
-nan and inf included, in any input: it reaches neither the loss nor the gradient.
+short responses weigh each token equally. Tokens a loss truncates, masks or clips still count in
+the denominator, so the denominator never depends on the policy. An all-zero mask gives a zero loss
+still connected to ``logp``, so backward() works on a batch with nothing to learn from. Padding may
+hold anything, nan and inf included, in any input: it reaches neither the loss nor the gradient.
 
 The loss has the dtype of the tensor inputs (bf16 in, bf16 out; mixed dtypes promote as torch
 does); the python-scalar keyword arguments never promote it to float32.
 
-``metrics`` holds python floats with unprefixed keys (the trainer adds ``loss/``):
-``ratio_mean`` and ``ratio_max`` of r = pi/mu over valid tokens, and ``clip_frac``, the fraction of
-valid tokens where the truncation or clip is active. All are 0.0 when the mask is empty.
+Batch statistics and ranks: a trainer that shards a batch over N ranks takes each rank's token-mean
+times its share of the tokens, which sums to the whole batch's token-mean. That holds for every
+loss whose per-token terms depend only on their own sequence. Two losses also depend on a statistic
+of the whole batch, and take it as an optional keyword (None: computed from the tensors given,
+which is right for one rank):
+
+- ``m2po``: ``cutoff=m2po_cutoff(torch.cat(ranks' m2po_sq_log_ratios(...)), tau)``
+- ``ess_aipo``: ``ess=normalized_ess(torch.cat(ranks' sequence_log_weights(...)))``
+
+Sequences must not be split across ranks (the trainer shards by whole groups).
+
+``metrics`` holds python floats with unprefixed keys (the trainer adds ``loss/``), over the valid
+tokens, with r = pi/mu:
+
+- ``ratio_mean``: mean of r.
+- ``ratio_max``: max of r.
+- ``clip_frac``: fraction of valid tokens where the loss's truncation, mask or clip is active
+  (defined in each loss's docstring).
+- ``ess``: normalised effective sample size of the raw token ratios, (sum r)^2 / (n sum r^2), in
+  (0, 1]: 1 when every r is equal, about 1/n when one token dominates (Kong 1992; Kish).
+- ``log_ratio_max``: max |log r|.
+- ``log_ratio_p99``: 99th percentile of |log r|, linear interpolation between order statistics
+  (numpy's and torch.quantile's default).
+- ``kl_mu_pi``: mean of k3 = (r - 1) - log r, the unbiased non-negative estimator of KL(mu || pi)
+  from tokens sampled by mu: E_mu[r] = 1, so E_mu[k3] = E_mu[-log r] = E_mu[log mu - log pi]
+  (Schulman, "Approximating KL divergence", 2020).
+
+On an empty mask all are 0.0 but ``ess``, which is 1.0: nothing is degenerate, and 1.0 is the
+neutral ESS scale of ``ess_aipo``. Across ranks ``ratio_mean``, ``clip_frac`` and ``kl_mu_pi`` are
+token means, ``ratio_max`` and ``log_ratio_max`` maxima; ``ess`` and ``log_ratio_p99`` are neither
+and combine only approximately. The metrics cost one host sync (the batch statistics of
+``m2po`` and ``ess_aipo``, when computed in the loss, one more each).
 """
 
+import math
 from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
 LossFn = Callable[..., tuple[Tensor, dict[str, float]]]
+
+# The health metrics every loss returns, in order (some losses add their own).
+METRIC_KEYS = (
+    "ratio_mean",
+    "ratio_max",
+    "clip_frac",
+    "ess",
+    "log_ratio_max",
+    "log_ratio_p99",
+    "kl_mu_pi",
+)
 
 
 def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
@@ -42,6 +87,29 @@ def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
     """
     mask = mask.bool()
     return torch.where(mask, x, 0.0).sum() / mask.sum().clamp(min=1)
+
+
+def pg_loss(
+    logp: Tensor, mu_logp: Tensor, advantages: Tensor, mask: Tensor
+) -> tuple[Tensor, dict[str, float]]:
+    """Plain policy gradient that ignores the behaviour policy: no off-policy correction at all.
+
+    loss = -mean_t( A_t * log pi_t )
+
+    REINFORCE (Williams 1992) applied to stale samples as if they were on-policy: the gradient is
+    -A_t / n on every valid token whatever mu was. It is the uncorrected baseline the other losses
+    are measured against; on-policy every loss here has its gradient.
+
+    Args:
+        logp, mu_logp, advantages, mask: [B, T], see the module docstring; ``mu_logp`` only feeds
+            the metrics.
+
+    Returns:
+        The scalar loss (token-mean over valid tokens) and metrics; ``clip_frac`` is always 0.
+    """
+    mask, log_ratio, advantages = _prepare(logp, mu_logp, advantages, mask)
+    loss = -masked_mean(advantages * logp, mask)
+    return loss, _metrics(log_ratio, torch.zeros_like(mask), mask)
 
 
 def aipo_loss(
@@ -66,10 +134,11 @@ def aipo_loss(
     """
     if rho <= 0:
         raise ValueError(f"rho must be > 0, got rho={rho}")
-    mask, ratio, advantages = _prepare(logp, mu_logp, advantages, mask)
+    mask, log_ratio, advantages = _prepare(logp, mu_logp, advantages, mask)
+    ratio = log_ratio.exp()
     weight = ratio.clamp(max=rho).detach()
     loss = -masked_mean(weight * advantages * logp, mask)
-    return loss, _metrics(ratio, ratio > rho, mask)
+    return loss, _metrics(log_ratio, ratio > rho, mask)
 
 
 def aipo_clamp_loss(
@@ -94,9 +163,10 @@ def aipo_clamp_loss(
     """
     if rho <= 0:
         raise ValueError(f"rho must be > 0, got rho={rho}")
-    mask, ratio, advantages = _prepare(logp, mu_logp, advantages, mask)
+    mask, log_ratio, advantages = _prepare(logp, mu_logp, advantages, mask)
+    ratio = log_ratio.exp()
     loss = -masked_mean(ratio.clamp(max=rho) * advantages, mask)
-    return loss, _metrics(ratio, ratio > rho, mask)
+    return loss, _metrics(log_ratio, ratio > rho, mask)
 
 
 def ppo_clip_loss(
@@ -121,11 +191,12 @@ def ppo_clip_loss(
     """
     if clip_eps <= 0:
         raise ValueError(f"clip_eps must be > 0, got clip_eps={clip_eps}")
-    mask, ratio, advantages = _prepare(logp, mu_logp, advantages, mask)
+    mask, log_ratio, advantages = _prepare(logp, mu_logp, advantages, mask)
+    ratio = log_ratio.exp()
     unclipped = ratio * advantages
     clipped = ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantages
     loss = -masked_mean(torch.minimum(unclipped, clipped), mask)
-    return loss, _metrics(ratio, clipped < unclipped, mask)
+    return loss, _metrics(log_ratio, clipped < unclipped, mask)
 
 
 def gipo_loss(
@@ -169,58 +240,388 @@ def gipo_loss(
         raise ValueError(f"sigma must be > 0, got sigma={sigma}")
     if neg_ratio <= 0:
         raise ValueError(f"neg_ratio must be > 0, got neg_ratio={neg_ratio}")
-    mask, ratio, advantages = _prepare(logp, mu_logp, advantages, mask)
-    log_ratio = torch.where(mask, logp - mu_logp.detach(), 0.0)
+    mask, log_ratio, advantages = _prepare(logp, mu_logp, advantages, mask)
     # Scalars alone would give a float32 scale, promoting a bf16 loss to float32.
     scale = torch.where(advantages >= 0, sigma, sigma * neg_ratio).to(log_ratio.dtype)
     log_weight = -0.5 * (log_ratio.detach() / scale) ** 2
     loss = -masked_mean((log_ratio + log_weight).exp() * advantages, mask)
-    return loss, _metrics(ratio, log_weight.exp() < 0.5, mask)
+    return loss, _metrics(log_ratio, log_weight.exp() < 0.5, mask)
+
+
+def tis_seq_loss(
+    logp: Tensor, mu_logp: Tensor, advantages: Tensor, mask: Tensor, *, cap: float = 2.0
+) -> tuple[Tensor, dict[str, float]]:
+    """Sequence-level truncated importance sampling: one stop-gradient weight per sequence.
+
+    loss = -mean_t( sg(min(W_i, C)) * A_t * log pi_t ),   W_i = prod_{t in i} pi_t / mu_t
+
+    where i is the sequence (row) of token t and the product runs over its valid tokens. This is
+    off-policy REINFORCE with the trajectory importance weight truncated at C, verl's
+    ``rollout_is="sequence"`` in truncate mode with its pure-IS policy-gradient loss (Liu, Li et
+    al. 2025, "When Speed Kills Stability: Demystifying RL Collapse from the Training-Inference
+    Mismatch"; verl docs/algo/rollout_corr_math.md), and the sequence TIS baseline of VCPO
+    (arXiv:2602.17616). It is AIPO with the weight taken per sequence: d loss / d log pi_t =
+    -min(W_i, C) * A_t / n on every valid token. Unlike a token weight, W_i corrects for the whole
+    trajectory having been sampled by mu, at the price of a variance that grows with length.
+
+    W_i is formed in log space, min(W_i, C) = exp(min(sum_t log r_t, log C)), so a long or far
+    off-policy sequence cannot overflow exp() (verl bounds the log-weight at +-20 instead).
+
+    Args:
+        logp, mu_logp, advantages, mask: [B, T], see the module docstring.
+        cap: truncation level C of the sequence weight, > 0 (verl's default 2.0; it suggests 2-10).
+
+    Returns:
+        The scalar loss (token-mean over valid tokens) and metrics; ``clip_frac`` is the fraction
+        of valid tokens whose sequence has W_i > C.
+    """
+    if cap <= 0:
+        raise ValueError(f"cap must be > 0, got cap={cap}")
+    mask, log_ratio, advantages = _prepare(logp, mu_logp, advantages, mask)
+    seq_log_weight = _sequence_log_weight(log_ratio, mask)
+    weight = seq_log_weight.clamp(max=math.log(cap)).exp().to(log_ratio.dtype)
+    loss = -masked_mean(weight[:, None] * advantages * logp, mask)
+    truncated = (seq_log_weight > math.log(cap))[:, None].expand_as(mask)
+    return loss, _metrics(log_ratio, truncated, mask)
+
+
+def mis_seq_loss(
+    logp: Tensor,
+    mu_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    lower: float = 0.5,
+    upper: float = 2.0,
+) -> tuple[Tensor, dict[str, float]]:
+    """Sequence-level masked importance sampling: drop whole sequences whose weight is an outlier.
+
+    loss = -mean_t( sg(W_i * 1[lower <= W_i <= upper]) * A_t * log pi_t ),
+    W_i  = prod_{t in i} pi_t / mu_t
+
+    A sequence whose weight falls outside [lower, upper] is masked out entirely (zero loss and
+    gradient on all its tokens); the others keep their importance weight W_i, bounded by ``upper``.
+    This is masked IS (MIS) at sequence level as verl's ``rollout_is="sequence"`` in mask mode
+    defines it (rejected sequences are masked, accepted ones keep the IS ratio) and as slime's
+    "masking + importance sampling" and Liu, Li et al. 2025 ("When Speed Kills Stability",
+    rho * 1[rho <= C]) use it: the weight, not 1, since weight 1 would drop the correction exactly
+    on the sequences trusted enough to keep. Where truncation (``tis_seq_loss``) still learns from
+    an outlier with weight C, MIS refuses to learn from it at all.
+
+    Where we differ: verl also removes rejected tokens from the token-mean's denominator; we keep
+    them, like every loss here, so the denominator does not depend on the policy, a batch with
+    many rejections makes a smaller step rather than a larger one, and ranks need no shared count.
+    The bounds are compared in log space (log lower <= sum_t log r_t <= log upper), so no weight
+    overflows; both ends are inclusive. ``lower <= 1 <= upper`` keeps every on-policy sequence.
+
+    Args:
+        logp, mu_logp, advantages, mask: [B, T], see the module docstring.
+        lower: smallest accepted sequence weight, in (0, 1] (verl's default is 1 / upper).
+        upper: largest accepted sequence weight, >= 1 (verl's default 2.0).
+
+    Returns:
+        The scalar loss (token-mean over valid tokens) and metrics; ``clip_frac`` is the fraction
+        of valid tokens in masked-out sequences.
+    """
+    if not 0 < lower <= 1 <= upper:
+        raise ValueError(f"need 0 < lower <= 1 <= upper, got lower={lower}, upper={upper}")
+    mask, log_ratio, advantages = _prepare(logp, mu_logp, advantages, mask)
+    seq_log_weight = _sequence_log_weight(log_ratio, mask)
+    kept = (seq_log_weight >= math.log(lower)) & (seq_log_weight <= math.log(upper))
+    # exp(-inf) = 0 on rejected sequences, whose weight may be too large for exp().
+    weight = torch.where(kept, seq_log_weight, -math.inf).exp().to(log_ratio.dtype)
+    loss = -masked_mean(weight[:, None] * advantages * logp, mask)
+    return loss, _metrics(log_ratio, ~kept[:, None].expand_as(mask), mask)
+
+
+def m2po_loss(
+    logp: Tensor,
+    mu_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    tau: float = 0.04,
+    cutoff: float | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """M2PO: the unclipped importance-weighted surrogate, without the second-moment outliers.
+
+    loss = -mean_t( M_t * r_t * A_t ),   r_t = pi_t / mu_t,   M_t = 1[(log r_t)^2 < cutoff]
+    cutoff = m2po_cutoff({(log r_t)^2 : t valid}, tau)
+
+    From M2PO (Zheng, Zhao & Chen 2025, "Prosperity before Collapse: How Far Can Off-Policy RL
+    Reach with Stale Data on LLMs?", arXiv:2510.01161), as its arXiv version, its blog and AReaL's
+    port (docs/algorithms/m2po.md) state it: the batch's second moment M2 = mean over valid tokens
+    of (log r)^2 bounds the trust region; tokens are masked from the largest (log r)^2 down until
+    the M2 of the remaining valid tokens is <= tau (the paper uses tau = 0.04 everywhere and calls
+    it insensitive); the kept tokens train on r * A with the gradient through r and no clip, so
+    d loss / d log pi_t = -r_t * A_t / n on kept tokens and 0 on masked ones. The mean runs over
+    all valid tokens, masked ones included (the objective's 1 / sum_i |o_i|), so n is the valid
+    token count and the masked fraction is reported as ``clip_frac``.
+
+    Where we differ: ties in (log r)^2 at the cut are masked together (see ``m2po_cutoff``), so the
+    mask is a threshold that ranks can reproduce from gathered values; when even the smallest
+    value exceeds tau every token is masked (AReaL keeps the smallest one). The authors' released
+    code and the ICLR version (as Trinity-RFT reads it) restrict M2 and the masking to tokens where
+    a PPO clip would act (A > 0 with r > 1, or A < 0 with r < 1); we follow the arXiv form over all
+    valid tokens. Masked tokens' log-ratios are zeroed before exp(), so an outlier too large for
+    float32 cannot put inf * 0 = nan into the gradient.
+
+    Args:
+        logp, mu_logp, advantages, mask: [B, T], see the module docstring.
+        tau: bound on the M2 of the kept tokens, > 0.
+        cutoff: mask the valid tokens with (log r)^2 >= cutoff; None computes it from this batch
+            with ``m2po_cutoff``. Ranks that each hold part of a batch pass the cutoff of the
+            whole batch (see the module docstring); inf masks nothing.
+
+    Returns:
+        The scalar loss (token-mean over valid tokens) and metrics; ``clip_frac`` is the fraction
+        of valid tokens masked.
+    """
+    if tau <= 0:
+        raise ValueError(f"tau must be > 0, got tau={tau}")
+    mask, log_ratio, advantages = _prepare(logp, mu_logp, advantages, mask)
+    squared = log_ratio.detach().square()
+    if cutoff is None:
+        cutoff = m2po_cutoff(squared[mask], tau)
+    masked_out = mask & (squared >= cutoff)
+    kept = mask & ~masked_out
+    ratio = torch.where(kept, log_ratio, 0.0).exp()
+    loss = -masked_mean(torch.where(kept, ratio * advantages, 0.0), mask)
+    return loss, _metrics(log_ratio, masked_out, mask)
+
+
+def m2po_cutoff(sq_log_ratios: Tensor, tau: float) -> float:
+    """M2PO's masking threshold: the smallest (log r)^2 that must be masked, inf if none.
+
+    ``sq_log_ratios`` holds (log r)^2 of every valid token of the batch (any shape, any order);
+    the mask is ``sq_log_ratios >= cutoff``. Sorting the values down, v_1 >= ... >= v_n, the cut
+    masks the k largest for the smallest k with mean(v_{k+1}, ..., v_n) <= tau, and returns v_k
+    (inf when k = 0); the mean of no tokens counts as <= tau, so k = n masks everything.
+
+    Ties: values equal to v_k past position k are masked too, since the mask is a threshold. That
+    keeps the bound (removing values >= the mean of the rest never raises it) and makes the mask
+    independent of the order of equal values, which ranks holding different shards could not
+    reproduce. The sums run in float64 over the sorted values, so the result does not depend on
+    the order the values arrive in either.
+
+    Args:
+        sq_log_ratios: squared log-ratios of all valid tokens, e.g. the concatenation of every
+            rank's ``m2po_sq_log_ratios``.
+        tau: bound on the M2 of the kept tokens, > 0.
+
+    Returns:
+        The cutoff as a python float, exactly one of the input values (or inf).
+    """
+    if tau <= 0:
+        raise ValueError(f"tau must be > 0, got tau={tau}")
+    values = sq_log_ratios.detach().flatten().double().sort(descending=True).values
+    n = values.numel()
+    # kept_mean[k]: mean of the values left after masking the k largest, k = 0 .. n - 1.
+    kept_mean = values.flip(0).cumsum(0).flip(0) / torch.arange(n, 0, -1, dtype=values.dtype)
+    meets_bound = (kept_mean <= tau).nonzero()
+    k = int(meets_bound[0]) if len(meets_bound) else n
+    return math.inf if k == 0 else float(values[k - 1])
+
+
+def m2po_sq_log_ratios(logp: Tensor, mu_logp: Tensor, mask: Tensor) -> Tensor:
+    """(log pi - log mu)^2 of the valid tokens, flattened, as ``m2po_loss`` computes them: the
+    values a rank contributes to ``m2po_cutoff`` of a sharded batch. [B, T] in, [n] out."""
+    _check_shapes(logp=logp, mu_logp=mu_logp, mask=mask)
+    mask = mask.bool()
+    return _log_ratio(logp, mu_logp, mask).detach().square()[mask]
+
+
+def ess_aipo_loss(
+    logp: Tensor,
+    mu_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    rho: float = 4.0,
+    ess: float | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """AIPO scaled by the batch's normalised effective sample size of sequence weights (VCPO).
+
+    loss = sg(ess) * aipo_loss,   ess = (sum_i W_i)^2 / (S * sum_i W_i^2),
+    W_i  = prod_{t in i} pi_t / mu_t over the S sequences with a valid token
+
+    From VCPO (Huang, Zhang, Hu, Yang & Han 2026, "Stable Asynchrony: Variance-Controlled
+    Off-Policy RL for LLMs", arXiv:2602.17616; github.com/mit-han-lab/vcpo): stale rollouts give
+    heavy-tailed importance weights, a few trajectories dominate the update, and the ESS of the
+    minibatch's trajectory weights predicts the collapse; VCPO damps the step when it drops. Like
+    VCPO the ESS is over sequences, with raw (untruncated) weights: the reward and advantage are
+    per sequence, so the sequence is the sample whose weight can dominate, and the token-level ESS
+    is already every loss's ``ess`` metric. The update itself is ``aipo_loss``'s (token weights
+    min(r_t, rho)), so d loss / d log pi_t = -ess * min(r_t, rho) * A_t / n.
+
+    Where we differ: VCPO scales the learning rate, by sqrt(min(1, ess / base)) for AdamW (linear
+    for SGD, base 1 by default), and adds an optimal baseline; a loss cannot set the learning rate,
+    so we scale the loss by ess (base 1). Under SGD that is VCPO's linear rule. Under Adam a
+    constant loss scale cancels in m / sqrt(v): the scale only damps a batch whose ESS is low
+    relative to the recent ones the moments remember, and gradient clipping sees the scaled norm.
+    For VCPO's own rule the trainer can scale the learning rate by sqrt(``normalized_ess``).
+
+    Args:
+        logp, mu_logp, advantages, mask: [B, T], see the module docstring.
+        rho: AIPO's truncation level of the token weight, > 0.
+        ess: the normalised ESS in (0, 1]; None computes it from this batch. Ranks that each hold
+            part of a batch pass ``normalized_ess`` of every rank's ``sequence_log_weights``.
+
+    Returns:
+        The scalar loss and AIPO's metrics plus ``ess_scale``, the ess the loss was scaled by.
+    """
+    loss, metrics = aipo_loss(logp, mu_logp, advantages, mask, rho=rho)
+    if ess is None:
+        ess = normalized_ess(sequence_log_weights(logp, mu_logp, mask))
+    if not 0 < ess <= 1:
+        raise ValueError(f"ess must be in (0, 1], got ess={ess}")
+    return loss * ess, metrics | {"ess_scale": ess}
+
+
+def sequence_log_weights(logp: Tensor, mu_logp: Tensor, mask: Tensor) -> Tensor:
+    """log W_i = sum of the valid tokens' log pi - log mu, for each sequence (row) with a valid
+    token: [B, T] in, [S] out, at least float32. What a rank contributes to ``normalized_ess`` of a
+    sharded batch."""
+    _check_shapes(logp=logp, mu_logp=mu_logp, mask=mask)
+    mask = mask.bool()
+    return _sequence_log_weight(_log_ratio(logp, mu_logp, mask), mask)[mask.any(dim=-1)]
+
+
+def normalized_ess(log_weights: Tensor) -> float:
+    """Normalised effective sample size (sum w)^2 / (n sum w^2) in (0, 1] of the weights
+    w = exp(log_weights) (any shape); 1.0 when there are none.
+
+    Computed as exp(2 logsumexp(log w) - logsumexp(2 log w)) / n in float64, so weights far too
+    large for exp() (a long sequence's product of ratios) give the exact value rather than inf/inf.
+    """
+    log_weights = log_weights.detach().double()
+    return float(_ess(log_weights, torch.ones_like(log_weights, dtype=torch.bool)))
 
 
 LOSSES: dict[str, LossFn] = {
+    "pg": pg_loss,
     "aipo": aipo_loss,
     "aipo_clamp": aipo_clamp_loss,
     "ppo_clip": ppo_clip_loss,
     "gipo": gipo_loss,
+    "tis_seq": tis_seq_loss,
+    "mis_seq": mis_seq_loss,
+    "m2po": m2po_loss,
+    "ess_aipo": ess_aipo_loss,
 }
 
-# Each loss's keyword arguments, and the ``trainer`` config field that sets each one.
+# Each loss's keyword arguments, and the ``trainer`` config field that sets each one. The batch
+# statistics (``m2po``'s cutoff, ``ess_aipo``'s ess) are not config: the trainer computes them.
 LOSS_OPTIONS: dict[str, dict[str, str]] = {
+    "pg": {},
     "aipo": {"rho": "aipo_rho"},
     "aipo_clamp": {"rho": "aipo_rho"},
     "ppo_clip": {"clip_eps": "ppo_clip_eps"},
     "gipo": {"sigma": "gipo_sigma", "neg_ratio": "gipo_neg_ratio"},
+    "tis_seq": {"cap": "seq_is_cap"},
+    "mis_seq": {"lower": "seq_mis_lower", "upper": "seq_mis_upper"},
+    "m2po": {"tau": "m2po_tau"},
+    "ess_aipo": {"rho": "aipo_rho"},
 }
+
+
+def batch_health(log_ratios: Tensor) -> dict[str, float]:
+    """``ess`` and ``log_ratio_p99`` (see the module docstring) of the valid tokens' log pi / mu
+    given flat, e.g. every rank's concatenated: the two metrics a rank cannot combine from its
+    own. 1.0 and 0.0 when there are none."""
+    log_ratios = log_ratios.detach().flatten()
+    if log_ratios.numel() == 0:
+        return {"ess": 1.0, "log_ratio_p99": 0.0}
+    valid = torch.ones_like(log_ratios, dtype=torch.bool)
+    stats = torch.stack([_ess(log_ratios, valid), _masked_quantile(log_ratios.abs(), valid, 0.99)])
+    return dict(zip(("ess", "log_ratio_p99"), stats.tolist(), strict=True))
+
+
+# The losses that depend on a statistic of the whole batch: the keyword that takes it, what one
+# rank contributes (``logp, mu_logp, mask -> values``) and how the values of every rank become the
+# statistic (``values, loss keyword arguments -> statistic``). A trainer with ranks gathers the
+# contributions, reduces them alike on every rank, and passes the result.
+BATCH_STATISTICS: dict[str, tuple[str, Callable[..., Tensor], Callable[..., float]]] = {
+    "m2po": ("cutoff", m2po_sq_log_ratios, lambda values, kw: m2po_cutoff(values, kw["tau"])),
+    "ess_aipo": ("ess", sequence_log_weights, lambda values, kw: normalized_ess(values)),
+}
+
+
+def _check_shapes(**tensors: Tensor) -> None:
+    if len({t.shape for t in tensors.values()}) != 1:
+        *first, last = tensors
+        raise ValueError(
+            f"{', '.join(first)} and {last} must share one shape [B, T], got "
+            + ", ".join(str(tuple(t.shape)) for t in tensors.values())
+        )
+
+
+def _log_ratio(logp: Tensor, mu_logp: Tensor, mask: Tensor) -> Tensor:
+    """log pi - log mu on valid tokens, 0 on padding; the gradient flows through ``logp``."""
+    # Padding may hold arbitrary log-probs; zeroing the log-ratio there keeps exp() finite, so no
+    # inf * 0 = nan can reach the gradient.
+    return torch.where(mask, logp - mu_logp.detach(), 0.0)
 
 
 def _prepare(
     logp: Tensor, mu_logp: Tensor, advantages: Tensor, mask: Tensor
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Check shapes; return the bool mask, ratio pi/mu (1 on padding) and constant advantages
-    (0 on padding)."""
-    shapes = {t.shape for t in (logp, mu_logp, advantages, mask)}
-    if len(shapes) != 1:
-        raise ValueError(
-            "logp, mu_logp, advantages and mask must share one shape [B, T], got "
-            f"{tuple(logp.shape)}, {tuple(mu_logp.shape)}, {tuple(advantages.shape)}, "
-            f"{tuple(mask.shape)}"
-        )
+    """Check shapes; return the bool mask, the log-ratio log pi - log mu (0 on padding) and
+    constant advantages (0 on padding)."""
+    _check_shapes(logp=logp, mu_logp=mu_logp, advantages=advantages, mask=mask)
     mask = mask.bool()
-    # Padding may hold arbitrary log-probs; zeroing the log-ratio there keeps exp() finite, so no
-    # inf * 0 = nan can reach the gradient.
-    log_ratio = torch.where(mask, logp - mu_logp.detach(), 0.0)
     # Likewise for advantages: aipo multiplies logp by the advantage outside any select, so a nan
     # advantage on padding would give d loss / d logp = nan * 0 = nan there.
     advantages = torch.where(mask, advantages.detach(), 0.0)
-    return mask, log_ratio.exp(), advantages
+    return mask, _log_ratio(logp, mu_logp, mask), advantages
 
 
-def _metrics(ratio: Tensor, clip_active: Tensor, mask: Tensor) -> dict[str, float]:
-    ratio = ratio.detach()
-    # Ratios are positive, so filling padding with 0 leaves the max over valid tokens unchanged.
-    ratio_max = torch.where(mask, ratio, 0.0).max()
+def _sequence_log_weight(log_ratio: Tensor, mask: Tensor) -> Tensor:
+    """[B] sum of each row's valid log-ratios, detached, summed in at least float32 (a bf16 sum
+    of many tokens would round the weight by percents)."""
+    wide = torch.promote_types(log_ratio.dtype, torch.float32)
+    return torch.where(mask, log_ratio.detach().to(wide), 0.0).sum(dim=-1)
+
+
+def _ess(log_weights: Tensor, mask: Tensor) -> Tensor:
+    """Normalised ESS of exp(log_weights) over ``mask`` as a 0-d tensor; 1 on an empty mask."""
+    log_weights = torch.where(mask, log_weights, -math.inf).flatten()
+    count = mask.sum()
+    log_ess = 2 * torch.logsumexp(log_weights, 0) - torch.logsumexp(2 * log_weights, 0)
+    # Rounding can put a uniform batch a hair above 1.
+    ess = (log_ess.exp() / count.clamp(min=1)).clamp(max=1)
+    return torch.where(count > 0, ess, 1.0)
+
+
+def _masked_quantile(x: Tensor, mask: Tensor, q: float) -> Tensor:
+    """q-quantile of ``x`` over ``mask``, interpolating linearly between order statistics like
+    torch.quantile; 0 on an empty mask. Indexes with tensors, so it needs no host sync."""
+    ordered = torch.where(mask, x, math.inf).flatten().sort().values  # valid values come first
+    count = mask.sum()
+    position = (count - 1).clamp(min=0).double() * q
+    below, above = ordered[position.floor().long()], ordered[position.ceil().long()]
+    fraction = (position - position.floor()).to(x.dtype)
+    # Equal neighbours (inf ones included) need no interpolation, and inf - inf would be nan.
+    value = torch.where(above > below, below + fraction * (above - below), below)
+    return torch.where(count > 0, value, 0.0)
+
+
+def _metrics(log_ratio: Tensor, clip_active: Tensor, mask: Tensor) -> dict[str, float]:
+    """The health metrics of the module docstring, in at least float32, with one host sync."""
+    log_ratio = log_ratio.detach().to(torch.promote_types(log_ratio.dtype, torch.float32))
+    ratio = log_ratio.exp()
+    magnitude = log_ratio.abs()
+    # Ratios and magnitudes are >= 0, so filling padding with 0 leaves the maxima unchanged.
     stats = torch.stack(
-        [masked_mean(ratio, mask), ratio_max, masked_mean(clip_active.to(ratio.dtype), mask)]
+        [
+            masked_mean(ratio, mask),
+            torch.where(mask, ratio, 0.0).max(),
+            masked_mean(clip_active.to(ratio.dtype), mask),
+            _ess(log_ratio, mask),
+            torch.where(mask, magnitude, 0.0).max(),
+            _masked_quantile(magnitude, mask, 0.99),
+            # expm1 keeps k3 ~ (log r)^2 / 2 accurate near r = 1, where r - 1 - log r cancels.
+            masked_mean(torch.expm1(log_ratio) - log_ratio, mask),
+        ]
     ).tolist()
-    return dict(zip(("ratio_mean", "ratio_max", "clip_frac"), stats, strict=True))
+    return dict(zip(METRIC_KEYS, stats, strict=True))

@@ -28,6 +28,7 @@ import torch
 
 from relayrl import faults, parallel
 from relayrl.algorithms.advantages import ADVANTAGES, zero_signal_samples
+from relayrl.algorithms.losses import BATCH_STATISTICS
 from relayrl.config import Config
 from relayrl.envs import build_task
 from relayrl.executors.trainer_core import TrainerCore
@@ -132,10 +133,14 @@ class Trainer(TrainerCore):
             dropped_stale=dropped,
             lags=np.bincount(lag[books & keep], minlength=self.cfg.max_staleness + 1).tolist(),
             train_s=0.0,
+            trained_tokens=int(batch.completion_len[books & keep].sum()),
+            dropped_tokens=int(batch.completion_len[books & ~keep].sum()),
+            metrics=_drop_lengths(batch.completion_len, keep),
         )
         skipped = self.skipped_nonfinite
         if keep.any():
-            result.metrics, result.stepped = self._update(batch.select(keep), lag[keep])
+            metrics, result.stepped = self._update(batch.select(keep), lag[keep])
+            result.metrics |= metrics
         result.skipped_nonfinite = self.skipped_nonfinite - skipped
         result.version = self.version
         result.train_s = time.perf_counter() - start
@@ -157,7 +162,7 @@ class Trainer(TrainerCore):
             "staleness/max": float(lag.max()),
         }
         all_tokens = int(batch.completion_len.sum())
-        if self.cfg.trainer.skip_zero_signal:
+        if self.cfg.trainer.skip_zero_signal and self.cfg.trainer.loss not in BATCH_STATISTICS:
             batch = batch.select(~zero_signal.numpy())
         if len(batch) == 0:
             return metrics, False
@@ -176,7 +181,8 @@ class Trainer(TrainerCore):
             mask = torch.zeros_like(mask)
         mu = torch.from_numpy(batch.logprobs[:, 1:])
         token_adv = advantages[:, None].expand_as(logp)
-        loss, loss_stats = self.loss_fn(logp, mu, token_adv, mask, **self.loss_kwargs)
+        options = self.loss_options(logp, mu, mask)
+        loss, loss_stats = self.loss_fn(logp, mu, token_adv, mask, **options)
         # The losses take a token mean over the tokens they see. The batch's token mean is over
         # every fresh token, of every rank and of skipped zero-advantage groups alike, so
         # neither sharding nor skipping changes the update.
@@ -187,7 +193,11 @@ class Trainer(TrainerCore):
             return metrics, False
         self.bump_version()
         metrics |= self._loss_metrics(
-            {"value": float(loss.detach())}, loss_stats, own_tokens / trainable_tokens, grad_norm
+            {"value": float(loss.detach())},
+            loss_stats,
+            own_tokens / trainable_tokens,
+            grad_norm,
+            (logp.detach() - mu)[mask.bool()],
         )
         return metrics | {
             "loss/lr": self.scheduler.get_last_lr()[0],
@@ -202,6 +212,19 @@ class Trainer(TrainerCore):
             self.model.save_pretrained(path, state_dict=state, safe_serialization=True)
             self.tokenizer.save_pretrained(path)
         return str(Path(path))
+
+
+def _drop_lengths(lengths: np.ndarray, keep: np.ndarray) -> dict[str, float]:
+    """Mean completion length of the dropped and of the kept samples of the whole batch, on a
+    step that dropped some (none otherwise: there is nothing to compare, and a 0 would drag
+    averages over steps down). Stale samples are the long ones when completions span several
+    generate calls (partial rollouts), so dropping them biases training towards short ones."""
+    if keep.all():
+        return {}
+    metrics = {"staleness/dropped_len_mean": float(lengths[~keep].mean())}
+    if keep.any():
+        metrics["staleness/trained_len_mean"] = float(lengths[keep].mean())
+    return metrics
 
 
 def _group_rows(groups: slice, batch: RolloutBatch) -> np.ndarray:

@@ -31,7 +31,7 @@ import math
 import torch
 
 from relayrl import checkpoint, faults, parallel
-from relayrl.algorithms.losses import LOSS_OPTIONS, LOSSES
+from relayrl.algorithms.losses import BATCH_STATISTICS, LOSS_OPTIONS, LOSSES, batch_health
 from relayrl.config import Config
 from relayrl.observability.tracing import Span, Tracer
 from relayrl.weight_sync import TRANSPORTS, Ticket
@@ -102,15 +102,35 @@ class TrainerCore:
         parallel.shard(self.model)
         self.optimizer, self.scheduler = self._optimizer()
 
+    def loss_options(self, logp: torch.Tensor, mu: torch.Tensor, mask: torch.Tensor) -> dict:
+        """The loss's keyword arguments for this batch: the config's, plus the batch statistic
+        of a loss that needs one (``BATCH_STATISTICS``), from every rank's tokens (a collective
+        with ranks; every rank calls this, a filler with an all-false ``mask``)."""
+        if self.cfg.trainer.loss not in BATCH_STATISTICS:
+            return self.loss_kwargs
+        keyword, contribute, reduce = BATCH_STATISTICS[self.cfg.trainer.loss]
+        values = parallel.gather_cat(contribute(logp.detach(), mu, mask))
+        return self.loss_kwargs | {keyword: reduce(values, self.loss_kwargs)}
+
     def _loss_metrics(
-        self, terms: dict[str, float], stats: dict[str, float], weight: float, grad_norm: float
+        self,
+        terms: dict[str, float],
+        stats: dict[str, float],
+        weight: float,
+        grad_norm: float,
+        log_ratios: torch.Tensor,
     ) -> dict[str, float]:
-        """``loss/*`` metrics of the group's whole batch (a collective with ranks) from this
+        """``loss/*`` metrics of the group's whole batch (collectives with ranks) from this
         rank's loss ``terms`` (already its weighted shares), the loss function's ``stats`` over
-        its samples, ``weight`` (its fraction of the samples, 0 for a filler) and the global
-        gradient norm. The stats are token-means but for ``ratio_max``, a maximum."""
-        shares = terms | {k: weight * v for k, v in stats.items() if k != "ratio_max"}
-        maxima = {"grad_norm": grad_norm, "ratio_max": stats["ratio_max"] if weight > 0 else 0.0}
+        its samples, ``weight`` (its fraction of the samples, 0 for a filler), the global
+        gradient norm and its valid tokens' log pi / mu. The stats are token-means but for the
+        maxima ``ratio_max`` and ``log_ratio_max``; ``ess`` and ``log_ratio_p99`` come from every
+        rank's log-ratios, gathered."""
+        peaks = ("ratio_max", "log_ratio_max")
+        whole = batch_health(parallel.gather_cat(log_ratios))  # the same on every rank
+        shares = terms | {k: weight * v for k, v in stats.items() if k not in (*peaks, *whole)}
+        maxima = {"grad_norm": grad_norm} | whole
+        maxima |= {k: stats[k] if weight > 0 else 0.0 for k in peaks if k in stats}
         return {f"loss/{k}": v for k, v in parallel.global_metrics(shares, maxima).items()}
 
     def apply_gradients(

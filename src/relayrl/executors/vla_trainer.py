@@ -268,7 +268,8 @@ class VLATrainer(TrainerCore):
                 minibatch = order[begin : begin + self.tc.minibatch_steps]
                 idx = minibatch[(minibatch >= first) & (minibatch < first + own)] - first
                 weight = len(idx) / len(minibatch)  # its part of means over the whole minibatch
-                if len(idx) == 0:
+                filler = len(idx) == 0
+                if filler:
                     idx = minibatch.new_zeros(1)  # a filler step: see the module docstring
                 ids = self.policy.tokenize([data["instructions"][i] for i in idx.tolist()])
                 logp, entropy, values = self.policy.evaluate_actions(
@@ -276,9 +277,10 @@ class VLATrainer(TrainerCore):
                 )
                 token_adv = advantages[idx, None].expand_as(logp)
                 mask = torch.ones_like(logp, dtype=torch.bool)
-                policy_loss, stats = self.loss_fn(
-                    logp, data["logprobs"][idx], token_adv, mask, **self.loss_kwargs
-                )
+                mu = data["logprobs"][idx]
+                # A filler's dummy row adds nothing to a batch statistic (it is weighted 0 below).
+                options = self.loss_options(logp, mu, mask & (not filler))
+                policy_loss, stats = self.loss_fn(logp, mu, token_adv, mask, **options)
                 value_loss = (values - data["returns"][idx]).square().mean()
                 entropy = entropy.mean()
                 loss = policy_loss + self.tc.value_coef * value_loss
@@ -292,6 +294,7 @@ class VLATrainer(TrainerCore):
                     stats,
                     weight,
                     grad_norm,
+                    (logp.detach() - mu)[mask & (not filler)],
                 )
                 for key, value in step.items():
                     totals[key] = totals.get(key, 0.0) + value

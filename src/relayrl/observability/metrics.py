@@ -97,16 +97,47 @@ TALLIED = (
     "score_errors",
     "score_timeouts",
     "lag_hist",
+    "trained_tokens",
+    "dropped_tokens",
     "gen_s",
     "score_s",
     "train_s",
 )  # what a checkpoint keeps of a RunTally
 
 
+class EssWatch:
+    """Warns when the importance weights' effective sample size (``loss/ess``) stays under
+    ``below`` for ``steps`` train steps in a row: the batch's update rests on a few samples, the
+    sign that off-policy training is about to go wrong. One warning per such stretch."""
+
+    def __init__(self, below: float, steps: int):
+        self.below = below
+        self.steps = steps
+        self.streak = 0
+        self.warnings = 0
+
+    def see(self, step: int, metrics: dict[str, float]) -> str | None:
+        """Take a step's metrics; the warning to give now, if any."""
+        ess = metrics.get("loss/ess")
+        if ess is None or self.below <= 0:
+            return None
+        self.streak = self.streak + 1 if ess < self.below else 0
+        if self.streak != self.steps:
+            return None
+        self.warnings += 1
+        return (
+            f"warning: step {step}: the effective sample size of the importance weights "
+            f"(loss/ess) has stayed under {self.below} for {self.steps} steps (now {ess:.3f}); "
+            "the samples are far off-policy: lower max_staleness or use a correcting loss "
+            "(trainer.loss), see docs/architecture.md"
+        )
+
+
 class RunTally:
     """Run-level counts the controller keeps while the loop runs: samples, lags, step times."""
 
-    def __init__(self, steps: int, progress: bool):
+    def __init__(self, steps: int, progress: bool, ess_watch: EssWatch | None = None):
+        self.ess = ess_watch or EssWatch(0.0, 1)
         self.steps = 0  # batches the trainer consumed
         self.updates = 0  # optimizer steps (a batch with no learning signal takes none)
         self.skipped_nonfinite = 0  # optimizer steps skipped for a nan or inf loss or grad norm
@@ -119,6 +150,8 @@ class RunTally:
         self.score_errors = 0
         self.score_timeouts = 0
         self.lag_hist: Counter[int] = Counter()
+        self.trained_tokens = 0  # LLM: completion tokens of the trained samples
+        self.dropped_tokens = 0  # LLM: completion tokens of the samples dropped stale
         self.gen_s: list[float] = []
         self.score_s: list[float] = []
         self.train_s: list[float] = []
@@ -187,6 +220,8 @@ class RunTally:
         """A train step finished; returns the metrics to log for it."""
         self.trained += result.trained
         self.dropped_stale += result.dropped_stale
+        self.trained_tokens += result.trained_tokens
+        self.dropped_tokens += result.dropped_tokens
         self.skipped_nonfinite += result.skipped_nonfinite
         self.train_s.append(result.train_s)
         for lag, count in enumerate(result.lags):
@@ -197,6 +232,8 @@ class RunTally:
         self._bar.update(1)
         elapsed = time.perf_counter() - self._start
         out = dict(result.metrics)
+        if warning := self.ess.see(self.steps, out):
+            say(warning)
         out |= {
             "samples/received": float(result.received),
             "samples/trained": float(result.trained),
@@ -231,6 +268,17 @@ class RunTally:
             "mean": mean,
             "max": max(self.lag_hist, default=0),
             "hist": {str(lag): self.lag_hist[lag] for lag in sorted(self.lag_hist)},
+            "ess_warnings": self.ess.warnings,
+        }
+
+    def lengths(self) -> dict:
+        """Mean completion length of the samples trained and of those dropped stale over the
+        run (LLM); the dropped mean is None when nothing was dropped."""
+        return {
+            "trained_len_mean": self.trained_tokens / self.trained if self.trained else 0.0,
+            "dropped_len_mean": (
+                self.dropped_tokens / self.dropped_stale if self.dropped_stale else None
+            ),
         }
 
     def close(self) -> None:

@@ -49,6 +49,9 @@ def write_report(run_dir: Path) -> Path:
     lines += ["## Policy lag", ""]
     hist = {int(k): v for k, v in summary.get("staleness", {}).get("hist", {}).items()}
     lines += _figure(_plot_bars(hist, "samples", figures / "lag.png"), "lag histogram")
+    lines += ["## Off-policy health", ""]
+    lines += _figure(_plot_health(metrics, figures / "health.png"), "off-policy health metrics")
+    lines += _health_table(metrics)
     lines += ["## Weight sync", ""]
     lines += _figure(_plot_sync(trace, figures / "sync.png"), "weight-sync durations")
     if summary.get("samples"):
@@ -101,6 +104,45 @@ def _plot_curves(metrics: list[dict], out: Path) -> Path | None:
     ax.grid(alpha=0.3)
     ax.legend()
     return _save(fig, out)
+
+
+# The trainer's per-step health metrics of its importance weights r = pi / mu (see
+# relayrl.algorithms.losses), plotted in this order.
+HEALTH = (
+    ("loss/ess", "ESS (normalised)"),
+    ("loss/clip_frac", "truncated / masked / clipped"),
+    ("loss/log_ratio_p99", "p99 |log r|"),
+    ("loss/log_ratio_max", "max |log r|"),
+    ("loss/kl_mu_pi", "KL(mu || pi)"),
+    ("loss/grad_norm", "gradient norm"),
+)
+
+
+def _plot_health(metrics: list[dict], out: Path) -> Path | None:
+    shown = [(key, label) for key, label in HEALTH if any(key in m for m in metrics)]
+    if not shown:
+        return None
+    fig, _ = plt.subplots(len(shown), 1, figsize=(7, 1.6 * len(shown)), sharex=True)
+    for ax, (key, label) in zip(list(fig.axes), shown, strict=True):
+        rows = [m for m in metrics if key in m]
+        ax.plot([m["step"] for m in rows], [m[key] for m in rows])
+        ax.set_ylabel(label, fontsize=8)
+        ax.grid(alpha=0.3)
+    axes = list(fig.axes)
+    axes[-1].set_xlabel("RL step")
+    return _save(fig, out)
+
+
+def _health_table(metrics: list[dict]) -> list[str]:
+    rows = []
+    for key, label in HEALTH:
+        values = [m[key] for m in metrics if key in m]
+        if values:
+            low, high = min(values), max(values)
+            rows.append(f"| {label} | {values[-1]:.4g} | {low:.4g} | {high:.4g} |")
+    if not rows:
+        return []
+    return ["| metric | last | min | max |", "|---|---|---|---|", *rows, ""]
 
 
 def _plot_throughput(metrics: list[dict], out: Path) -> Path | None:

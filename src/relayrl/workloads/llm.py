@@ -32,12 +32,13 @@ class LLMWorkload:
         if make_env is not None:
             raise ValueError("make_env is for workload=embodied; the LLM workload has no env")
         self.cfg = cfg
-        replicas, bound = cfg.generator.replicas, cfg.max_staleness
+        replicas, lag = cfg.generator.replicas, cfg.generator.min_lag
+        bound, knob = (lag, "generator.min_lag") if lag else (cfg.max_staleness, "max_staleness")
         if cfg.mode == "async" and replicas > bound + 1:
             say(
                 f"warning: generator.replicas={replicas} but the staleness gate lets at most "
-                f"max_staleness + 1 = {bound + 1} batches be generated at once, so "
-                f"{replicas - bound - 1} replica(s) will wait; raise max_staleness to use them"
+                f"{knob} + 1 = {bound + 1} batches be generated at once, so "
+                f"{replicas - bound - 1} replica(s) will wait; raise {knob} to use them"
             )
         self.placement: Placement | None = None
         self.trainer = Group("trainer", [])
@@ -180,7 +181,9 @@ class LLMWorkload:
                 "phase_s_per_step": per_step,
                 "overlap_bound": sum(per_step.values()) / max(per_step.values()),
             },
-            "staleness": tally.staleness() | {"max_staleness": self.cfg.max_staleness},
+            "staleness": tally.staleness()
+            | tally.lengths()
+            | {"max_staleness": self.cfg.max_staleness, "min_lag": self.cfg.generator.min_lag},
             "samples": {
                 **tally.books(),
                 "lost_unfinished": sum(f["unfinished"] for f in tally.failures),
