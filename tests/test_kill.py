@@ -145,6 +145,17 @@ def test_ctrl_c_writes_a_checkpoint_that_resume_finishes_from(tmp_path):
     assert summary["status"] == "interrupted" and summary["resume"].endswith(str(run_dir))
     stopped_at = summary["steps"]
     assert 1 <= stopped_at < 400
+    report = subprocess.run(
+        [sys.executable, "-m", "relayrl.cli", "report", str(run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert report.returncode == 0, report.stderr
+    text = (run_dir / "report.md").read_text()
+    assert "status: **interrupted**" in text and f"RL steps: {stopped_at}" in text
+    assert "![reward and accuracy](report/curves.png)" in text
+    assert (run_dir / "report" / "curves.png").stat().st_size > 0
     assert [p.name for p in (run_dir / "checkpoints").glob("step-*")] == [f"step-{stopped_at:08d}"]
 
     last = stopped_at + 3

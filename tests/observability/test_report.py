@@ -1,55 +1,16 @@
-"""`relayrl report` on a finished run and on a run interrupted in the middle of RL."""
+"""`relayrl report` on partial run directories (a run interrupted in the middle of RL is reported in
+tests/test_kill.py's Ctrl-C test)."""
 
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
-
-from conftest import TINY
 
 from relayrl.observability.report import write_report
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def test_report_of_a_run_interrupted_during_rl(tmp_path):
-    run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "relayrl.cli", "train", "configs/arith.yaml", *TINY]
-    cmd += ["steps=100000", "log.every=1", "generator.prompts_per_step=4", f"--run-dir={run_dir}"]
-    env = os.environ | {"RAY_AUTH_MODE": "disabled"}
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-    )
-    metrics = run_dir / "metrics.jsonl"
-    deadline = time.time() + 120
-    while time.time() < deadline and (
-        not metrics.exists() or len(metrics.read_text().splitlines()) < 3
-    ):
-        time.sleep(0.5)
-    proc.send_signal(signal.SIGINT)
-    _, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == 130, stderr.decode()[-2000:]
-
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["status"] == "interrupted"
-    assert summary["steps"] >= 2 and summary["samples"]["trained"] > 0
-    report = subprocess.run(
-        [sys.executable, "-m", "relayrl.cli", "report", str(run_dir)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert report.returncode == 0, report.stderr
-    text = (run_dir / "report.md").read_text()
-    assert "status: **interrupted**" in text
-    assert "![reward and accuracy](report/curves.png)" in text
-    assert (run_dir / "report" / "curves.png").stat().st_size > 0
 
 
 def test_report_of_a_run_with_only_a_torn_metrics_file(tmp_path):
