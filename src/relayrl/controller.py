@@ -229,9 +229,10 @@ async def run_async(
     try:
         while tally.steps < cfg.steps:
             _, scored_ref = await _first_or_raise(scored.get(), workers)
-            start = time.time()
-            await _first_or_raise(lagged(), workers)
-            idle[trainer_name].wait("min_lag", start, time.time())
+            if lag:
+                start = time.time()
+                await _first_or_raise(lagged(), workers)
+                idle[trainer_name].wait("min_lag", start, time.time())
             result = await _train_step(w.trainer, scored_ref)
             if result.stepped:
                 async with recovery.lock:
