@@ -7,7 +7,8 @@ sample is trained exactly K versions old, whatever the machine's timing (the fir
 the pipeline on version 0, see docs/architecture.md). K = 0 is on-policy (the staleness gate then
 admits one batch at a time). The losses are the corrections of ``relayrl.algorithms.losses``:
 ``pg`` (none), ``aipo``, ``ppo_clip``, ``gipo``, ``tis_seq``, ``mis_seq``, ``m2po``, ``ess_aipo``,
-each with the config's hyper-parameters.
+each with the config's hyper-parameters, and ``ess_lr``: ``aipo`` under VCPO's step rule
+(``trainer.ess_lr``, the learning rate times sqrt(ESS of the sequence weights)).
 
 Per run it reports
 
@@ -17,10 +18,13 @@ Per run it reports
   ``--collapse-drop`` (20 points) below its best so far, or null;
 - the ESS trace: ``loss/ess`` (normalised effective sample size of the token importance weights)
   of every step, and its mean over the steps at lag K (after the first K);
+- the traces of the other health metrics (``loss/kl_mu_pi``, ``loss/log_ratio_p99``,
+  ``loss/log_ratio_max``, ``loss/clip_frac``, ``loss/grad_norm``, and ``ess_lr``'s
+  ``loss/ess_lr_scale``), to see which one moved before a collapse;
 - the trainer's staleness mean and max (K once the pipeline is full) and the books.
 
-The default grid is 8 losses x 5 lags = 40 runs of 600 steps each. The full command (about 2-3
-hours on the 2-core reference machine, a few minutes of which are the warm start)::
+The default grid is 9 corrections x 5 lags = 45 runs of 400 steps each. The full command (about
+1.5-2 hours on the 2-core reference machine, a few minutes of which are the warm start)::
 
     python benchmarks/staleness.py
 
@@ -28,11 +32,14 @@ A smoke run (2 losses x 2 lags, 30 steps; a few minutes)::
 
     python benchmarks/staleness.py --steps 30 --eval-every 10 --losses pg aipo --lags 0 4
 
-Other options: ``--losses``, ``--lags``, ``--steps``, ``--eval-every``, ``--collapse-drop``,
-``--out``, and ``a.b=value`` overrides of the shared config (e.g. ``task.heldout_size=500``).
+Other options: ``--losses`` (corrections), ``--lags``, ``--steps``, ``--eval-every``,
+``--collapse-drop``, ``--out``, and ``a.b=value`` overrides of the shared config (e.g.
+``task.heldout_size=500``).
 It writes ``benchmarks/results/staleness.json`` and ``.png`` (accuracy against lag, one line per
 loss; the mean ESS against lag; the ESS per step at the largest lag) with the command line and
-the machine, and prints Markdown tables. The checkpoint and the run directories are temporary.
+the machine, and prints Markdown tables. After each run it rewrites ``staleness.partial.json``
+with the runs so far, so a grid stopped part-way keeps what it measured. The checkpoint and the
+run directories are temporary.
 """
 
 from __future__ import annotations
@@ -61,8 +68,13 @@ matplotlib.use("Agg")  # benchmark machines have no display
 
 REPO = Path(__file__).resolve().parents[1]
 NAME = "staleness"
-CORRECTIONS = ("pg", "aipo", "ppo_clip", "gipo", "tis_seq", "mis_seq", "m2po", "ess_aipo")
+# A correction is a loss, or a loss with a step rule: its config overrides.
+CORRECTIONS = {loss: [f"trainer.loss={loss}"] for loss in LOSSES} | {
+    "ess_lr": ["trainer.loss=aipo", "trainer.ess_lr=true"],
+}
+DEFAULT = ("pg", "aipo", "ppo_clip", "gipo", "tis_seq", "mis_seq", "m2po", "ess_aipo", "ess_lr")
 LAGS = (0, 1, 4, 16, 64)
+HEALTH = ("kl_mu_pi", "log_ratio_p99", "log_ratio_max", "clip_frac", "grad_norm", "ess_lr_scale")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,13 +98,18 @@ def main(argv: list[str] | None = None) -> int:
                     file=sys.stderr,
                 )
                 cfg = run_config(args, loss, lag, start_dir, tmp_dir)
-                runs.append(run_once(cfg, args, tmp_dir / f"{loss}-{lag}"))
+                runs.append(run_once(cfg, args, tmp_dir / f"{loss}-{lag}") | {"loss": loss})
+                partial = {"settings": vars(args) | {"config": str(args.config)}, "runs": runs}
+                args.out.mkdir(parents=True, exist_ok=True)
+                (args.out / f"{NAME}.partial.json").write_text(
+                    json.dumps(partial, indent=1, default=str)
+                )
         finally:
             ray.shutdown()
     config = cfg.model_dump(mode="json", exclude={"max_staleness"})
     config["run"]["out_dir"] = "(temporary)"
     config["model"]["path"] = "(temporary warm-start checkpoint)"
-    config["trainer"]["loss"] = "(per run)"
+    config["trainer"]["loss"] = config["trainer"]["ess_lr"] = "(per run)"
     config["generator"]["min_lag"] = "(per run)"
     config["channels"]["capacity"] = "(max of the config's and the run's lag)"
     result = {
@@ -128,16 +145,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--config", type=Path, default=REPO / "configs" / "arith.yaml", help="configs/arith.yaml"
     )
-    parser.add_argument("--steps", type=int, default=600, help="RL steps per run (600)")
+    parser.add_argument("--steps", type=int, default=400, help="RL steps per run (400)")
     parser.add_argument(
         "--eval-every", type=int, default=25, help="held-out evaluation period in steps (25)"
     )
     parser.add_argument(
         "--losses",
         nargs="+",
-        choices=sorted(LOSSES),
-        default=list(CORRECTIONS),
-        help="losses to compare (" + " ".join(CORRECTIONS) + ")",
+        choices=sorted(CORRECTIONS),
+        default=list(DEFAULT),
+        help="corrections to compare: a loss, or ess_lr (aipo with trainer.ess_lr) ("
+        + " ".join(DEFAULT)
+        + ")",
     )
     parser.add_argument(
         "--lags",
@@ -176,7 +195,7 @@ def run_config(
             *args.overrides,
             "mode=async",
             f"steps={args.steps}",
-            f"trainer.loss={loss}",
+            *CORRECTIONS[loss],
             f"max_staleness={lag}",
             f"generator.min_lag={lag}",
             f"channels.capacity={max(lag, base.channels.capacity)}",
@@ -199,11 +218,14 @@ def run_once(cfg: Config, args: argparse.Namespace, run_dir: Path) -> dict:
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
     curve = sorted({r["step"]: r["eval/accuracy"] for r in records if "eval/accuracy" in r}.items())
     ess = [(r["step"], r["loss/ess"]) for r in records if "loss/ess" in r]
+    health = {
+        name: [(r["step"], round(r[f"loss/{name}"], 6)) for r in records if f"loss/{name}" in r]
+        for name in HEALTH
+    }
     lag = cfg.generator.min_lag
     at_lag = [value for step, value in ess if step > lag]  # step k + 1 trains at lag min(k, K)
     staleness = summary["staleness"]
     return {
-        "loss": cfg.trainer.loss,
         "lag": lag,
         "final_accuracy": summary["eval"]["end"]["accuracy"],
         "start_accuracy": summary["eval"]["start"]["accuracy"],
@@ -211,6 +233,7 @@ def run_once(cfg: Config, args: argparse.Namespace, run_dir: Path) -> dict:
         "collapse_step": collapse_step(curve, args.collapse_drop),
         "eval_curve": curve,
         "ess": ess,
+        "health": health,
         "ess_mean_at_lag": mean(at_lag) if at_lag else None,
         "ess_min": min((value for _, value in ess), default=None),
         "ess_warnings": staleness["ess_warnings"],

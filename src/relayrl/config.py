@@ -253,6 +253,12 @@ class TrainerConfig(_Section):
         description="M2PO: tokens with the largest (log pi/mu)^2 are masked until the mean of "
         "the rest is <= tau (the paper's 0.04).",
     )
+    ess_lr: bool = Field(
+        False,
+        description="VCPO's step rule, with any loss: each step's learning rate is the "
+        "schedule's times sqrt(ESS), the normalised effective sample size of the trained "
+        "sequences' importance weights prod(pi/mu) over every rank (1 on-policy).",
+    )
     gamma: float = Field(0.99, ge=0, le=1, description="embodied: GAE discount.")
     lam: float = Field(0.95, ge=0, le=1, description="embodied: GAE lambda.")
     value_coef: float = Field(0.5, ge=0, description="embodied: weight of the value loss.")
@@ -547,6 +553,7 @@ NOT_FOR: dict[str, tuple[str, ...]] = {
         "channels",
         "trainer.advantage",
         "trainer.skip_zero_signal",
+        "trainer.ess_lr",
         "sync.precision",
     ),
 }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 
 import numpy as np
@@ -167,6 +168,31 @@ def test_cosine_schedule_decays_from_lr_to_the_final_ratio():
     assert abs(trainer._lr_factor(20) - 0.1) < 1e-12
     constant = Trainer(tiny_config("trainer.lr_schedule=constant"))
     assert constant._lr_factor(7) == 1.0
+
+
+def test_ess_lr_scale_is_the_square_root_of_the_sequence_weights_normalised_ess():
+    trainer = Trainer(tiny_config("trainer.ess_lr=true"))
+    # two sequences of 2 and 1 valid tokens, log W = 0.3 - 0.3 = 0 and log 2; a third has none
+    logp = torch.tensor([[0.3, -0.3], [math.log(2.0), 5.0], [7.0, 7.0]])
+    mask = torch.tensor([[True, True], [True, False], [False, False]])
+    # W = 1, 2: ESS = (1 + 2)^2 / (2 * (1 + 4)) = 0.9
+    assert trainer.ess_lr_scale(logp, torch.zeros_like(logp), mask) == pytest.approx(0.9**0.5)
+    assert Trainer(tiny_config()).ess_lr_scale(logp, torch.zeros_like(logp), mask) == 1.0
+
+
+def test_ess_lr_steps_at_the_schedules_rate_times_the_scale_for_that_step_only():
+    scaled = Trainer(tiny_config("trainer.ess_lr=true", "trainer.lr=0.01"))
+    batch = _batch([0, 0])
+    result = scaled.train_step(batch)
+    scale = result.metrics["loss/ess_lr_scale"]
+    assert 0.5 < scale < 1.0  # the tiny model's pi is not the batch's mu
+    assert result.metrics["loss/lr"] == pytest.approx(0.01 * scale)
+    plain = Trainer(tiny_config(f"trainer.lr={0.01 * scale!r}"))
+    plain.train_step(batch)
+    pairs = zip(_params(scaled), _params(plain), strict=True)
+    assert all(torch.allclose(a, b, atol=1e-7) for a, b in pairs)
+    # the scale does not leak into the schedule: the next step starts from the scheduled rate
+    assert scaled.optimizer.param_groups[0]["lr"] == scaled.scheduler.get_last_lr()[0]
 
 
 def test_skipping_zero_signal_groups_leaves_the_update_unchanged():

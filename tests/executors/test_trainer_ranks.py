@@ -169,14 +169,20 @@ def test_two_llm_ranks_warm_start_and_step_as_one_trainer(ray_session, tmp_path)
 
 
 @pytest.mark.parametrize(
-    ("loss", "statistic"), [("m2po", "loss/clip_frac"), ("ess_aipo", "loss/ess_scale")]
+    ("option", "statistic"),
+    [
+        ("trainer.loss=m2po", "loss/clip_frac"),
+        ("trainer.loss=ess_aipo", "loss/ess_scale"),
+        ("trainer.ess_lr=true", "loss/ess_lr_scale"),
+    ],
 )
 def test_losses_with_a_batch_statistic_take_it_over_every_rank(
-    ray_session, tmp_path, loss, statistic
+    ray_session, tmp_path, option, statistic
 ):
-    """M2PO's cutoff and the ESS of ess_aipo are statistics of the whole batch: each rank's own
-    would give another step. Group 1 carries no signal and still counts (it is not skipped)."""
-    cfg = tiny_config(f"trainer.loss={loss}", "trainer.lr=0.01")
+    """M2PO's cutoff, the ESS of ess_aipo and ess_lr's scale are statistics of the whole batch:
+    each rank's own would give another step. Group 1 carries no signal; m2po and ess_aipo still
+    count it (they do not skip it)."""
+    cfg = tiny_config(option, "trainer.lr=0.01")
     one = Trainer(cfg)
     batches = [rollouts([step] * 5, seed=10 + step, zero_signal=1) for step in range(2)]
     with trainer_group(Trainer, cfg) as ranks:

@@ -188,9 +188,11 @@ class Trainer(TrainerCore):
         # neither sharding nor skipping changes the update.
         own_tokens = 0 if filler else int(batch.completion_len.sum())
         loss = loss * (own_tokens / all_tokens)
-        grad_norm, stepped = self.apply_gradients(loss, self.optimizer)
+        lr_scale = self.ess_lr_scale(logp, mu, mask)
+        grad_norm, stepped = self.apply_gradients(loss, self.optimizer, lr_scale)
         if not stepped:
             return metrics, False
+        lr = self.scheduler.get_last_lr()[0] * lr_scale  # the rate this step used
         self.bump_version()
         metrics |= self._loss_metrics(
             {"value": float(loss.detach())},
@@ -199,8 +201,10 @@ class Trainer(TrainerCore):
             grad_norm,
             (logp.detach() - mu)[mask.bool()],
         )
+        if self.cfg.trainer.ess_lr:
+            metrics["loss/ess_lr_scale"] = lr_scale
         return metrics | {
-            "loss/lr": self.scheduler.get_last_lr()[0],
+            "loss/lr": lr,
             "version": float(self.version),
         }, True
 

@@ -31,7 +31,14 @@ import math
 import torch
 
 from relayrl import checkpoint, faults, parallel
-from relayrl.algorithms.losses import BATCH_STATISTICS, LOSS_OPTIONS, LOSSES, batch_health
+from relayrl.algorithms.losses import (
+    BATCH_STATISTICS,
+    LOSS_OPTIONS,
+    LOSSES,
+    batch_health,
+    normalized_ess,
+    sequence_log_weights,
+)
 from relayrl.config import Config
 from relayrl.observability.tracing import Span, Tracer
 from relayrl.weight_sync import TRANSPORTS, Ticket
@@ -133,14 +140,23 @@ class TrainerCore:
         maxima |= {k: stats[k] if weight > 0 else 0.0 for k in peaks if k in stats}
         return {f"loss/{k}": v for k, v in parallel.global_metrics(shares, maxima).items()}
 
+    def ess_lr_scale(self, logp: torch.Tensor, mu: torch.Tensor, mask: torch.Tensor) -> float:
+        """The learning-rate factor of ``trainer.ess_lr`` (VCPO's rule for Adam): sqrt of the
+        normalised ESS of the sequence weights prod(pi/mu) of every rank's rows with a valid
+        token (a collective with ranks; a filler passes an all-false ``mask``); 1.0 when off."""
+        if not self.cfg.trainer.ess_lr:
+            return 1.0
+        weights = parallel.gather_cat(sequence_log_weights(logp.detach(), mu, mask))
+        return math.sqrt(normalized_ess(weights))
+
     def apply_gradients(
-        self, loss: torch.Tensor, optimizer: torch.optim.Optimizer
+        self, loss: torch.Tensor, optimizer: torch.optim.Optimizer, lr_scale: float = 1.0
     ) -> tuple[float, bool]:
-        """Backward ``loss``, clip the global gradient norm and step ``optimizer``; returns the
-        norm before clipping and whether the optimizer stepped. A nan or inf loss (on any rank)
-        or norm skips the step, counted in ``skipped_nonfinite``, and leaves the parameters and
-        the optimizer state untouched. The model is not written until the sends in flight are
-        done."""
+        """Backward ``loss``, clip the global gradient norm and step ``optimizer`` at its
+        learning rate times ``lr_scale`` (for this step only); returns the norm before clipping
+        and whether the optimizer stepped. A nan or inf loss (on any rank) or norm skips the
+        step, counted in ``skipped_nonfinite``, and leaves the parameters and the optimizer state
+        untouched. The model is not written until the sends in flight are done."""
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.trainer.grad_clip)
@@ -154,7 +170,12 @@ class TrainerCore:
             self.skipped_nonfinite += 1
             return norm, False
         self.sync.writable()  # in place: the sends of the last publish read these tensors
+        rates = [group["lr"] for group in optimizer.param_groups]
+        for group in optimizer.param_groups:
+            group["lr"] *= lr_scale
         optimizer.step()
+        for group, rate in zip(optimizer.param_groups, rates, strict=True):
+            group["lr"] = rate
         return norm, True
 
     def bump_version(self) -> None:
