@@ -318,7 +318,7 @@ def run_trl(cfg: Config, args: argparse.Namespace, out: Path) -> dict:
         p for _ in range(args.steps) for p in task.sample(cfg.generator.prompts_per_step, rng)
     ]
     # TRL tokenizes plain-text prompts with the tokenizer's own special tokens, and the character
-    # tokenizer adds none: spell BOS out so TRL's prompt tokens equal relayrl's encode_prompt().
+    # tokenizer adds none: spell BOS out so TRL's prompt tokens equal PromptCodec.encode()'s.
     dataset = datasets.Dataset.from_dict(
         {
             "prompt": [tokenizer.bos_token + p.prompt for p in problems],

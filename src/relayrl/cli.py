@@ -102,6 +102,11 @@ def main(argv: list[str] | None = None) -> int:
     evaluate.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
     evaluate.add_argument("--limit", type=int, default=None, help="only the first N problems")
     evaluate.add_argument("--workers", type=int, default=2, help="scoring worker processes")
+    evaluate.add_argument(
+        "--chat-template",
+        action="store_true",
+        help="wrap each prompt in the checkpoint tokenizer's chat template",
+    )
     evaluate.add_argument("--out", default=None, help="samples JSONL (default next to the model)")
     # parse_args would reject overrides placed after an option (`--ray-address auto steps=5`):
     # argparse fills the nargs="*" positional once, so later ones come back as leftovers.
@@ -257,6 +262,7 @@ def _eval(args: argparse.Namespace) -> int:
             limit=args.limit,
             out=Path(args.out) if args.out else None,
             workers=args.workers,
+            chat_template=args.chat_template,
         )
     except (FileNotFoundError, ValueError) as err:
         print(f"relayrl: {err}", file=sys.stderr)

@@ -68,10 +68,12 @@ class ModelConfig(_Section):
     path: str | None = Field(
         None, description="Local Hugging Face checkpoint directory; null builds a fresh model."
     )
-    tokenizer: str = Field(
-        "builtin:char",
+    tokenizer: str | None = Field(
+        None,
         description="Tokenizer directory, or a tokenizer shipped with relayrl: builtin:char "
-        "(digits and arithmetic signs) or builtin:byte (any UTF-8 text, one token per byte).",
+        "(digits and arithmetic signs) or builtin:byte (any UTF-8 text, one token per byte); "
+        "null: model.path's own tokenizer, or builtin:char when model.path is null. It needs "
+        "an EOS token; a missing pad token, or pad equal to EOS, is fine.",
     )
     hidden_size: int = Field(128, ge=8, description="Width of the fresh Llama.")
     num_layers: int = Field(3, ge=1, description="Decoder layers of the fresh Llama.")
@@ -86,9 +88,16 @@ class ModelConfig(_Section):
             raise ValueError("directory does not exist")
         return value
 
+    @property
+    def tokenizer_source(self) -> str:
+        """Where the tokenizer comes from: ``tokenizer``, else ``path``, else builtin:char."""
+        return self.tokenizer or self.path or "builtin:char"
+
     @field_validator("tokenizer")
     @classmethod
-    def _tokenizer_exists(cls, value: str) -> str:
+    def _tokenizer_exists(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
         if not value.startswith("builtin:") and not Path(value).is_dir():
             raise ValueError("directory does not exist (or use builtin:char, builtin:byte)")
         if value.startswith("builtin:") and value not in ("builtin:char", "builtin:byte"):
@@ -113,6 +122,11 @@ class TaskConfig(_Section):
     prompt_field: str = Field("prompt", description="dataset file: field holding the prompt.")
     answer_field: str = Field("answer", description="dataset file: field holding the answer.")
     template: str = Field("{prompt}", description="dataset file: prompt template over fields.")
+    chat_template: bool = Field(
+        False,
+        description="Wrap each prompt as the user turn of the tokenizer's chat template, with "
+        "the generation prompt appended (the tokenizer must have a template).",
+    )
     answer_template: str = Field(
         "{answer}",
         description="Warm-start target built from the reference, e.g. \\boxed{{{answer}}}.",
@@ -152,6 +166,11 @@ class GeneratorConfig(_Section):
     temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
     greedy: bool = Field(False, description="Take the argmax instead of sampling (debugging).")
     max_new_tokens: int = Field(8, ge=1, description="Completion length cap; longer ones are cut.")
+    stop: list[str] = Field(
+        default_factory=list,
+        description="Stop strings: a completion ends with the token that completes one (as at "
+        "EOS), added to the checkpoint's generation_config.json stop_strings.",
+    )
     max_new_tokens_per_step: int = Field(
         8,
         ge=1,
@@ -218,6 +237,11 @@ class TrainerConfig(_Section):
     lr_final_ratio: float = Field(0.1, ge=0, le=1, description="Final lr as a fraction of lr.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     grad_clip: float = Field(1.0, gt=0, description="Global gradient-norm clip.")
+    gradient_checkpointing: bool = Field(
+        False,
+        description="Recompute the policy's activations in the backward pass instead of "
+        "keeping them (Hugging Face gradient checkpointing): less memory, more compute.",
+    )
     skip_zero_signal: bool = Field(
         True,
         description="Leave groups whose rewards are all equal (zero advantage, zero gradient) "
@@ -554,6 +578,7 @@ NOT_FOR: dict[str, tuple[str, ...]] = {
         "trainer.advantage",
         "trainer.skip_zero_signal",
         "trainer.ess_lr",
+        "trainer.gradient_checkpointing",
         "sync.precision",
     ),
 }

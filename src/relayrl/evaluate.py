@@ -19,7 +19,6 @@ from relayrl.config import load_config
 from relayrl.data.datasets import DATASETS, Example, load_examples
 from relayrl.executors.generator import Generator
 from relayrl.executors.rewarder import Rewarder
-from relayrl.models.lm import encode_prompt_lenient
 from relayrl.rewards.math import extract_answer
 
 
@@ -47,6 +46,7 @@ def evaluate(
     limit: int | None = None,
     out: Path | None = None,
     workers: int = 2,
+    chat_template: bool = False,
 ) -> dict:
     """Generate, score and report; returns the report and writes the per-sample JSONL."""
     ckpt = checkpoint_dir(path)
@@ -59,11 +59,12 @@ def evaluate(
             f"generator.temperature={temperature}",
             "rewarder.scorer=math",
             f"rewarder.workers={workers}",
+            f"task.chat_template={str(chat_template).lower()}",
         ],
     )
     generator, rewarder = Generator(cfg), Rewarder(cfg)
     try:
-        encoded = [encode_prompt_lenient(generator.tokenizer, e.prompt) for e in examples]
+        encoded = [generator.codec.encode_lenient(e.prompt) for e in examples]
         start = time.perf_counter()
         batch = generator.complete(
             [ids for ids, _ in encoded],

@@ -19,7 +19,7 @@ from relayrl.config import Config, TaskConfig
 from relayrl.data.datasets import DATASETS, Example, RowError
 from relayrl.envs.arithmetic import AdditionTask, Problem
 from relayrl.envs.dataset import DatasetTask, load_dataset_examples
-from relayrl.models.lm import load_tokenizer
+from relayrl.models.lm import load_codec, load_tokenizer
 
 BUILTIN_TOKENIZERS = {
     "builtin:char": "digits and arithmetic signs",
@@ -46,9 +46,9 @@ def check(cfg: Config) -> None:
     tc = cfg.task
     problems = _problems(tc)
     try:
-        tokenizer = load_tokenizer(cfg.model.tokenizer)
+        tokenizer = load_codec(cfg)[0]
     except (OSError, ValueError) as err:
-        raise PreflightError(f"model.tokenizer = {cfg.model.tokenizer!r}: {err}") from None
+        raise PreflightError(f"model.tokenizer = {cfg.model.tokenizer_source!r}: {err}") from None
     texts = {"prompts": [p.prompt for p in problems]}
     if cfg.warm_start.max_steps > 0:  # the targets are only built for a warm start
         texts["warm-start targets"] = _targets(tc.answer_template, problems)
@@ -56,7 +56,7 @@ def check(cfg: Config) -> None:
         source = f"task.data = {tc.data!r}"
     else:
         source = f"task.name = {tc.name!r} (a sample of {len(problems)})"
-    _check_encodable(tokenizer, cfg.model.tokenizer, texts, source)
+    _check_encodable(tokenizer, cfg.model.tokenizer_source, texts, source)
 
 
 def _problems(tc: TaskConfig) -> list[Problem]:

@@ -44,7 +44,10 @@ def test_exact_answer_scores_decoded_completions_and_zero_without_eos():
     cfg = tiny_config()
     rewarder = Rewarder(cfg)
     batch = _batch(
-        load_tokenizer(cfg.model.tokenizer), ["975", "976", "975"], ["975"] * 3, [True, True, False]
+        load_tokenizer(cfg.model.tokenizer_source),
+        ["975", "976", "975"],
+        ["975"] * 3,
+        [True, True, False],
     )
     summary, scored = rewarder.score(batch)
     assert scored.completions == ["975", "976", "975"]
@@ -82,7 +85,9 @@ def test_an_exact_answer_scorer_that_raises_is_counted_and_scores_zero():
     rewarder = Rewarder(cfg)
     # A reference that is not a string (a dataset row with a numeric answer) makes the scorer
     # raise in this process; the other samples are scored as usual.
-    batch = _batch(load_tokenizer(cfg.model.tokenizer), ["975", "975"], ["975", 975], [True] * 2)
+    batch = _batch(
+        load_tokenizer(cfg.model.tokenizer_source), ["975", "975"], ["975", 975], [True] * 2
+    )
     summary, scored = rewarder.score(batch)
     assert scored.rewards.tolist() == [1.0, 0.0]
     assert summary["errors"] == 1 and summary["timeouts"] == 0

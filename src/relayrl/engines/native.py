@@ -9,6 +9,8 @@ is never reused).
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -30,13 +32,14 @@ def sample_chunk(
     sequences: list[list[int]],
     max_new_tokens: int,
     *,
-    eos_id: int,
+    stop_ids: Sequence[int],
     pad_id: int,
     temperature: float = 1.0,
     greedy: bool = False,
     generator: torch.Generator | None = None,
 ) -> Chunk:
-    """Continue every sequence by up to ``max_new_tokens`` tokens, stopping each at EOS.
+    """Continue every sequence by up to ``max_new_tokens`` tokens, stopping each at the first of
+    ``stop_ids`` (EOS), which ends its new tokens.
 
     Sequences are left-padded into one batch; position ids count real tokens only, so a sequence
     gets the same positions whatever it is batched with. ``mu`` is ``log_softmax(logits / T)`` at
@@ -54,6 +57,7 @@ def sample_chunk(
         attention[row, width - len(seq) :] = 1
     positions = (attention.cumsum(-1) - 1).clamp(min=0)
     cache = DynamicCache()
+    stop = torch.tensor(list(stop_ids), dtype=torch.long)
     logits = _forward(model, input_ids, attention, positions, cache)
 
     done = torch.zeros(batch, dtype=torch.bool)
@@ -69,7 +73,7 @@ def sample_chunk(
         token = torch.where(done, torch.full_like(token, pad_id), token)
         new_tokens[:, step] = token
         new_logprobs[:, step] = logp.gather(-1, token[:, None]).squeeze(-1)
-        done |= token == eos_id
+        done |= torch.isin(token, stop)
         steps = step + 1
         if bool(done.all()) or step == max_new_tokens - 1:
             break
@@ -78,17 +82,32 @@ def sample_chunk(
         logits = _forward(model, token[:, None], attention, positions, cache)
 
     tokens, logprobs, finished = [], [], []
+    ended = torch.isin(new_tokens[:, :steps], stop)
     for row in range(batch):
-        row_tokens = new_tokens[row, :steps].tolist()
-        length = row_tokens.index(eos_id) + 1 if eos_id in row_tokens else steps
-        tokens.append(row_tokens[:length])
+        hits = ended[row].nonzero()
+        length = int(hits[0]) + 1 if len(hits) else steps
+        tokens.append(new_tokens[row, :length].tolist())
         logprobs.append(new_logprobs[row, :length].tolist())
-        finished.append(eos_id in row_tokens)
+        finished.append(bool(len(hits)))
     return Chunk(tokens, logprobs, finished)
 
 
 def _forward(model, input_ids, attention, positions, cache: DynamicCache) -> torch.Tensor:
-    """Last-position logits. The cache goes in positionally: transformers renamed the keyword
-    (``past_key_values`` -> ``cache``) but kept its place after ``position_ids``."""
-    out = model(input_ids, attention, positions, cache, use_cache=True, logits_to_keep=1)
+    """Last-position logits, by keyword: architectures order their arguments differently
+    (GPT-2 puts the cache before the attention mask)."""
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention,
+        position_ids=positions,
+        use_cache=True,
+        logits_to_keep=1,
+        **{_cache_keyword(type(model)): cache},
+    )
     return out.logits[:, -1]
+
+
+def _cache_keyword(model_class: type) -> str:
+    """The name of the KV-cache argument: ``cache`` in recent transformers, else the older
+    ``past_key_values``."""
+    parameters = inspect.signature(model_class.forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"

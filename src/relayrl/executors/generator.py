@@ -21,7 +21,7 @@ from relayrl.config import Config
 from relayrl.engines.native import sample_chunk
 from relayrl.envs import build_task
 from relayrl.envs.arithmetic import Problem
-from relayrl.models.lm import build_policy, encode_prompt, load_tokenizer
+from relayrl.models.lm import build_policy, load_codec
 from relayrl.observability.tracing import Span, Tracer
 from relayrl.types import RolloutBatch, RolloutMeta
 from relayrl.weight_sync import TRANSPORTS, Ticket
@@ -54,7 +54,7 @@ class Generator:
     def __init__(self, cfg: Config, replica: int = 0):
         torch.set_num_threads(cfg.ray.threads_per_executor)
         self.cfg = cfg.generator
-        self.tokenizer = load_tokenizer(cfg.model.tokenizer)
+        self.tokenizer, self.codec = load_codec(cfg)
         self.model = build_policy(cfg.model, self.tokenizer, cfg.run.seed).eval()
         self.task = build_task(cfg.task)
         self.probe = self.task.sample(cfg.warm_start.probe_size, random.Random(cfg.run.seed + 4))
@@ -87,8 +87,8 @@ class Generator:
             self.model,
             [s.prompt + s.tokens for s in active],
             self.cfg.max_new_tokens_per_step,
-            eos_id=self.tokenizer.eos_token_id,
-            pad_id=self.tokenizer.pad_token_id,
+            stop_ids=self.codec.stop_ids,
+            pad_id=self.codec.pad_id,
             temperature=self.cfg.temperature,
             greedy=self.cfg.greedy,
             generator=self.torch_rng,
@@ -103,6 +103,7 @@ class Generator:
             sample.versions += [self.version] * len(tokens[:room])
             sample.finished = finished and len(tokens) <= room
             self.tokens_generated += len(tokens[:room])
+            self._stop_at_string(sample)
             if not sample.finished and len(sample.tokens) < self.cfg.max_new_tokens:
                 self.pending.append(sample)
         batch = self._collect_finished_groups()
@@ -121,7 +122,7 @@ class Generator:
         """Greedy completions of the held-out split, or of the probe of training problems."""
         with self.tracer.span(f"evaluate:{split}", self.version):
             problems = {"heldout": self.task.heldout, "probe": lambda: self.probe}[split]()
-            prompts = [encode_prompt(self.tokenizer, p.prompt) for p in problems]
+            prompts = [self.codec.encode(p.prompt) for p in problems]
             return self._complete(
                 prompts, [p.answer for p in problems], 1, True, self.cfg.max_new_tokens, batch_size
             )
@@ -156,8 +157,8 @@ class Generator:
                 self.model,
                 [s.prompt for s in part],
                 max_new_tokens,
-                eos_id=self.tokenizer.eos_token_id,
-                pad_id=self.tokenizer.pad_token_id,
+                stop_ids=self.codec.stop_ids,
+                pad_id=self.codec.pad_id,
                 temperature=self.cfg.temperature,
                 greedy=greedy,
                 generator=self.torch_rng,
@@ -167,6 +168,7 @@ class Generator:
             ):
                 sample.tokens, sample.logprobs, sample.finished = tokens, logprobs, finished
                 sample.versions = [self.version] * len(tokens)
+                self._stop_at_string(sample)
         return _to_batch(samples, [a for a in answers for _ in range(k)], group_size=k)
 
     def open_sync(self, addresses: list[dict], name: str = "generator") -> None:
@@ -237,12 +239,21 @@ class Generator:
         self.groups = copy.deepcopy(state["groups"])
         self.next_group = state["next_group"]
 
+    def _stop_at_string(self, sample: _Sample) -> None:
+        """End ``sample`` at the token that completes a stop string, if one occurs: the tokens
+        after it are dropped (they were generated, not trained on) and it counts as finished."""
+        keep = self.codec.stop_length(sample.tokens)
+        if keep is None:
+            return
+        del sample.tokens[keep:], sample.logprobs[keep:], sample.versions[keep:]
+        sample.finished = True
+
     def _start_groups(self, problems: list[Problem]) -> list[_Sample]:
         started = []
         for problem in problems:
             group_id = self.next_group
             self.next_group += 1
-            prompt = encode_prompt(self.tokenizer, problem.prompt)
+            prompt = self.codec.encode(problem.prompt)
             group = _Group(
                 problem.answer, [_Sample(group_id, prompt) for _ in range(self.cfg.group_size)]
             )

@@ -32,7 +32,7 @@ class Rewarder:
     name = "rewarder"
 
     def __init__(self, cfg: Config):
-        self.tokenizer = load_tokenizer(cfg.model.tokenizer)
+        self.tokenizer = load_tokenizer(cfg.model.tokenizer_source)
         rc = cfg.rewarder
         # Scorers that parse model output (math) run in a sandboxed pool; exact matching is safe
         # and cheap enough to run here.

@@ -32,7 +32,7 @@ from relayrl.algorithms.losses import BATCH_STATISTICS
 from relayrl.config import Config
 from relayrl.envs import build_task
 from relayrl.executors.trainer_core import TrainerCore
-from relayrl.models.lm import build_policy, encode_prompt, load_tokenizer
+from relayrl.models.lm import build_policy, load_codec
 from relayrl.types import RolloutBatch, StepResult
 
 
@@ -41,8 +41,10 @@ class Trainer(TrainerCore):
 
     def __init__(self, cfg: Config, rank: int = 0, world: int = 1):
         torch.set_num_threads(cfg.ray.threads_per_executor)
-        self.tokenizer = load_tokenizer(cfg.model.tokenizer)
+        self.tokenizer, self.codec = load_codec(cfg)
         model = build_policy(cfg.model, self.tokenizer, cfg.run.seed).train()
+        if cfg.trainer.gradient_checkpointing:
+            model.gradient_checkpointing_enable()
         super().__init__(cfg, model, rank=rank, world=world)
         self.advantage_fn = ADVANTAGES[cfg.trainer.advantage]
         self._warm: tuple | None = None
@@ -65,7 +67,7 @@ class Trainer(TrainerCore):
         loss = torch.zeros(())
         for _ in range(steps):
             rows = [examples[rng.randrange(len(examples))] for _ in range(ws.batch_size)]
-            tokens, loss_mask, attention = _pack(rows, self.tokenizer.pad_token_id)
+            tokens, loss_mask, attention = _pack(rows, self.codec.pad_id)
             targets = loss_mask[:, 1:]
             own, filler = self._own(len(rows))
             weights = torch.zeros_like(targets[own]) if filler else targets[own]
@@ -97,7 +99,7 @@ class Trainer(TrainerCore):
         eos = self.tokenizer.eos_token_id
         examples = []
         for problem in task.sample(self.cfg.warm_start.examples, rng):
-            prompt = encode_prompt(self.tokenizer, problem.prompt)
+            prompt = self.codec.encode(problem.prompt)
             target = self.cfg.task.answer_template.format(answer=problem.answer)
             answer = self.tokenizer(target, add_special_tokens=False)["input_ids"] + [eos]
             examples.append((prompt, answer))
