@@ -212,6 +212,18 @@ class RewarderConfig(_Section):
     resources: dict[str, float] = _resources("rewarder")
 
 
+class ReferenceConfig(_Section):
+    """The frozen reference policy of the KL term; placed only when trainer.kl_coef > 0."""
+
+    replicas: int = Field(
+        1,
+        ge=1,
+        description="Reference replicas; each scores the log-probs of the completions under the "
+        "policy as it was when RL started (after the warm start).",
+    )
+    resources: dict[str, float] = _resources("reference")
+
+
 class TrainerConfig(_Section):
     """Policy update."""
 
@@ -282,6 +294,23 @@ class TrainerConfig(_Section):
         description="VCPO's step rule, with any loss: each step's learning rate is the "
         "schedule's times sqrt(ESS), the normalised effective sample size of the trained "
         "sequences' importance weights prod(pi/mu) over every rank (1 on-policy).",
+    )
+    kl_coef: float = Field(
+        0.0,
+        ge=0,
+        description="Weight of the KL to the reference policy (the policy when RL started); "
+        "> 0 places the reference role.",
+    )
+    kl_estimator: Literal["k1", "k2", "k3"] = Field(
+        "k3",
+        description="Per-token KL estimator (relayrl.algorithms.kl): k1 = log pi/ref, "
+        "k2 = (log ref/pi)^2 / 2, k3 = ref/pi - 1 - log ref/pi.",
+    )
+    kl_in: Literal["loss", "reward"] = Field(
+        "loss",
+        description="loss: kl_coef times the token-mean estimate of KL(pi || ref) is added to "
+        "the loss; reward: kl_coef times each completion's summed estimate of KL(mu || ref) is "
+        "subtracted from its reward before advantages.",
     )
     gamma: float = Field(0.99, ge=0, le=1, description="embodied: GAE discount.")
     lam: float = Field(0.95, ge=0, le=1, description="embodied: GAE lambda.")
@@ -579,6 +608,10 @@ NOT_FOR: dict[str, tuple[str, ...]] = {
         "trainer.skip_zero_signal",
         "trainer.ess_lr",
         "trainer.gradient_checkpointing",
+        "trainer.kl_coef",
+        "trainer.kl_estimator",
+        "trainer.kl_in",
+        "reference",
         "sync.precision",
     ),
 }
@@ -615,6 +648,7 @@ class Config(_Section):
     warm_start: WarmStartConfig = WarmStartConfig()
     generator: GeneratorConfig = GeneratorConfig()
     rewarder: RewarderConfig = RewarderConfig()
+    reference: ReferenceConfig = ReferenceConfig()
     trainer: TrainerConfig = TrainerConfig()
     channels: ChannelsConfig = ChannelsConfig()
     sync: SyncConfig = SyncConfig()

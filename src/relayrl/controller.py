@@ -1,7 +1,8 @@
 """The single controller's loops: the four ways a train step is fed, one per workload and mode.
 
-A loop drives role groups by name. LLM: generator replicas ``generate``, rewarder replicas
-``score``, every trainer rank ``train_step``s on the same batch (each takes its share) and
+A loop drives role groups by name. LLM: generator replicas ``generate``, the scoring stages
+(rewarder replicas, then reference replicas when the KL term is on) ``score`` in a chain, every
+trainer rank ``train_step``s on the same batch (each takes its share) and
 ``publish``es its shard, and the receivers take the new weights through the run's ``WeightSync``.
 Embodied: rollout workers step their envs and ask inference replicas for actions; segments reach
 every trainer rank's ``train_step`` (sync: collected here in lockstep; async: fetched from the
@@ -66,14 +67,14 @@ async def run_sync(
             *(g.generate.options(num_returns=2).remote() for g in w.generators), strict=True
         )
         r = tally.steps % len(w.rewarders)
-        score_ref, scored_ref = w.rewarders[r].score.options(num_returns=2).remote(*batches)
+        summary_refs, scored_ref = _score_chain(w.scorers(), r, batches)
         waiting.append((meta_refs, scored_ref))
         due = waiting.popleft()[1] if len(waiting) > cfg.generator.min_lag else None
         results = [] if due is None else [rank.train_step.remote(due) for rank in w.trainer]
         if results:
             sync.publish()
         try:
-            metas, score = await asyncio.gather(asyncio.gather(*meta_refs), score_ref)
+            metas, score = await asyncio.gather(asyncio.gather(*meta_refs), _scored(summary_refs))
         except DEATHS as err:  # this step's batch is lost
             await _recover_sync_step(cfg, w, recovery, meta_refs, r, err)
             if due is scored_ref:  # the trainer did not train on it
@@ -92,6 +93,30 @@ async def run_sync(
                 await ckpt.write(in_flight=await _samples(waiting))
             ckpt.after()
     return {"in_flight": await _samples(waiting)}
+
+
+def _score_chain(stages: list[Group], i: int, batches: tuple) -> tuple[list, Any]:
+    """Pass ``batches`` (object refs) through every scoring stage, replica ``i`` (modulo its
+    size) of each, as one chain of object references: Ray hands each stage's batch to the next.
+    Returns every stage's summary ref, in order, and the last stage's batch ref."""
+    summaries = []
+    for group in stages:
+        summary, scored = group[i % len(group)].score.options(num_returns=2).remote(*batches)
+        summaries.append(summary)
+        batches = (scored,)
+    return summaries, batches[0]
+
+
+async def _scored(summary_refs: list) -> dict:
+    """The scoring stages' summaries of one batch, added up: busy seconds, errors, timeouts."""
+    summaries = [await ref for ref in summary_refs]  # in order: the first dead stage raises
+    return {key: sum(s[key] for s in summaries) for key in ("busy_s", "errors", "timeouts")}
+
+
+async def _dead_stages(w: LLMWorkload, i: int) -> list[tuple[Group, int]]:
+    """The scoring-stage replicas that chain ``i`` uses and that are dead."""
+    stages = [(group, i % len(group)) for group in w.scorers()]
+    return [(group, j) for group, j in stages if not await alive(group[j])]
 
 
 async def _samples(waiting: deque) -> int:
@@ -114,7 +139,7 @@ async def _recover_sync_step(
         recovery.tally.on_generated(meta.samples, meta.busy_s)
     lost = sum(meta.samples for meta in finished)
     dead = [(w.generators, i) for i, g in enumerate(w.generators) if not await alive(g)]
-    dead += [(w.rewarders, r)] if not await alive(w.rewarders[r]) else []
+    dead += await _dead_stages(w, r)
     if not dead:
         raise err
     batch = cfg.generator.prompts_per_step * cfg.generator.group_size
@@ -198,12 +223,16 @@ async def run_async(
         while True:
             samples, batch_ref = await generated.get(idle[name])
             held[name] = samples
-            score_ref, scored_ref = w.rewarders[i].score.options(num_returns=2).remote(batch_ref)
+            summary_refs, scored_ref = _score_chain(w.scorers(), i, (batch_ref,))
             try:
-                score = await score_ref
-            except DEATHS as err:  # the batch it was scoring dies with it
+                score = await _scored(summary_refs)
+            except DEATHS as err:  # the batch being scored dies with the stage that held it
                 held[name] = 0
-                await recovery.replace(w.rewarders, i, err, lost=samples)
+                dead = await _dead_stages(w, i)
+                if not dead:
+                    raise
+                for k, (group, j) in enumerate(dead):
+                    await recovery.replace(group, j, err, lost=samples if k == 0 else 0)
                 # It never reaches the trainer: the gate lets another batch start in its place
                 # (without this, max_staleness + 1 lost batches would close it for good).
                 async with published:

@@ -29,6 +29,7 @@ class RolloutBatch:
     completions: list[str] = field(default_factory=list)  # decoded text, filled by the rewarder
     rewards: np.ndarray | None = None  # [B] float32, filled by the rewarder
     score_errors: int = 0  # scorer calls that raised, filled by the rewarder
+    ref_logprobs: np.ndarray | None = None  # [B, L] float32 like logprobs, by the reference
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -61,6 +62,7 @@ class RolloutBatch:
             )
 
         scored = all(b.rewards is not None for b in batches)
+        referenced = all(b.ref_logprobs is not None for b in batches)
         return cls(
             tokens=stack("tokens", 0),
             prompt_len=np.concatenate([b.prompt_len for b in batches]),
@@ -73,6 +75,7 @@ class RolloutBatch:
             completions=[c for b in batches for c in b.completions],
             rewards=np.concatenate([b.rewards for b in batches]) if scored else None,
             score_errors=sum(b.score_errors for b in batches),
+            ref_logprobs=stack("ref_logprobs", 0.0) if referenced else None,
         )
 
     def select(self, keep: np.ndarray) -> RolloutBatch:
@@ -89,6 +92,7 @@ class RolloutBatch:
             answers=[self.answers[i] for i in rows],
             completions=[self.completions[i] for i in rows] if self.completions else [],
             rewards=None if self.rewards is None else self.rewards[rows],
+            ref_logprobs=None if self.ref_logprobs is None else self.ref_logprobs[rows],
         )
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import random
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -28,11 +29,12 @@ import torch
 
 from relayrl import faults, parallel
 from relayrl.algorithms.advantages import ADVANTAGES, zero_signal_samples
+from relayrl.algorithms.kl import KL_ESTIMATORS, sequence_kl
 from relayrl.algorithms.losses import BATCH_STATISTICS
 from relayrl.config import Config
 from relayrl.envs import build_task
 from relayrl.executors.trainer_core import TrainerCore
-from relayrl.models.lm import build_policy, load_codec
+from relayrl.models.lm import build_policy, load_codec, token_logprobs
 from relayrl.types import RolloutBatch, StepResult
 
 
@@ -151,11 +153,22 @@ class Trainer(TrainerCore):
     def _update(self, batch: RolloutBatch, lag: np.ndarray) -> tuple[dict[str, float], bool]:
         """One optimizer step on fresh groups, unless none of them carries a learning signal or
         the loss or gradient is not finite; returns the metrics and whether it stepped."""
+        tc = self.cfg.trainer
+        task_rewards = batch.rewards
+        kl_in_loss = tc.kl_coef > 0 and tc.kl_in == "loss"
+        if tc.kl_coef > 0 and tc.kl_in == "reward":  # shaped before advantages and signal checks
+            penalty = tc.kl_coef * sequence_kl(
+                torch.from_numpy(batch.logprobs),
+                torch.from_numpy(_reference(batch)),
+                torch.from_numpy(batch.completion_mask),
+                tc.kl_estimator,
+            )
+            batch = replace(batch, rewards=(batch.rewards - penalty.numpy()).astype(np.float32))
         rewards = torch.from_numpy(batch.rewards)
         zero_signal = zero_signal_samples(rewards, batch.group_size)
         metrics = {
-            "rollout/reward_mean": float(batch.rewards.mean()),
-            "rollout/accuracy": float(((batch.rewards > 0) & batch.finished).mean()),
+            "rollout/reward_mean": float(task_rewards.mean()),
+            "rollout/accuracy": float(((task_rewards > 0) & batch.finished).mean()),
             "rollout/finished": float(batch.finished.mean()),
             "rollout/completion_len": float(batch.completion_len.mean()),
             "rollout/zero_signal_groups": float(zero_signal.float().mean()),
@@ -164,7 +177,11 @@ class Trainer(TrainerCore):
             "staleness/max": float(lag.max()),
         }
         all_tokens = int(batch.completion_len.sum())
-        if self.cfg.trainer.skip_zero_signal and self.cfg.trainer.loss not in BATCH_STATISTICS:
+        if tc.kl_coef > 0 and tc.kl_in == "reward":
+            metrics["rollout/kl_penalty"] = float(task_rewards.mean() - batch.rewards.mean())
+        # Zero-advantage groups carry no policy gradient, but a batch statistic and the KL term
+        # count their tokens.
+        if tc.skip_zero_signal and tc.loss not in BATCH_STATISTICS and not kl_in_loss:
             batch = batch.select(~zero_signal.numpy())
         if len(batch) == 0:
             return metrics, False
@@ -172,12 +189,12 @@ class Trainer(TrainerCore):
         own, filler = self._own(len(batch) // batch.group_size)
         batch = batch.select(_group_rows(own, batch))
         advantages = self.advantage_fn(torch.from_numpy(batch.rewards), batch.group_size)
-        tokens = torch.from_numpy(batch.tokens)
-        lengths = torch.from_numpy(batch.prompt_len + batch.completion_len)
-        attention = (torch.arange(tokens.shape[1])[None, :] < lengths[:, None]).long()
-        logits = self.model(input_ids=tokens, attention_mask=attention).logits[:, :-1]
-        logp_all = torch.log_softmax(logits.float() / self.cfg.generator.temperature, dim=-1)
-        logp = logp_all.gather(-1, tokens[:, 1:, None]).squeeze(-1)
+        logp = token_logprobs(
+            self.model,
+            torch.from_numpy(batch.tokens),
+            torch.from_numpy(batch.prompt_len + batch.completion_len),
+            self.cfg.generator.temperature,
+        )
         mask = torch.from_numpy(batch.completion_mask[:, 1:])
         if filler:  # an all-false mask: a zero loss, still connected to every parameter
             mask = torch.zeros_like(mask)
@@ -190,6 +207,13 @@ class Trainer(TrainerCore):
         # neither sharding nor skipping changes the update.
         own_tokens = 0 if filler else int(batch.completion_len.sum())
         loss = loss * (own_tokens / all_tokens)
+        terms = {}
+        if tc.kl_coef > 0:  # the reference's log-probs: a KL term
+            ref = torch.from_numpy(_reference(batch)[:, 1:])
+            kl_sum = torch.where(mask.bool(), KL_ESTIMATORS[tc.kl_estimator](logp, ref), 0.0).sum()
+            if kl_in_loss:
+                loss = loss + tc.kl_coef * kl_sum / all_tokens
+            terms["kl_ref"] = float(kl_sum.detach()) / trainable_tokens
         lr_scale = self.ess_lr_scale(logp, mu, mask)
         grad_norm, stepped = self.apply_gradients(loss, self.optimizer, lr_scale)
         if not stepped:
@@ -197,7 +221,7 @@ class Trainer(TrainerCore):
         lr = self.scheduler.get_last_lr()[0] * lr_scale  # the rate this step used
         self.bump_version()
         metrics |= self._loss_metrics(
-            {"value": float(loss.detach())},
+            {"value": float(loss.detach())} | terms,
             loss_stats,
             own_tokens / trainable_tokens,
             grad_norm,
@@ -218,6 +242,16 @@ class Trainer(TrainerCore):
             self.model.save_pretrained(path, state_dict=state, safe_serialization=True)
             self.tokenizer.save_pretrained(path)
         return str(Path(path))
+
+
+def _reference(batch: RolloutBatch) -> np.ndarray:
+    """The batch's reference log-probs; a batch that did not pass the reference is refused."""
+    if batch.ref_logprobs is None:
+        raise ValueError(
+            "trainer.kl_coef > 0 but the batch has no ref_logprobs: it did not pass the "
+            "reference stage"
+        )
+    return batch.ref_logprobs
 
 
 def _drop_lengths(lengths: np.ndarray, keep: np.ndarray) -> dict[str, float]:

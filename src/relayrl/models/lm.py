@@ -7,6 +7,7 @@ from importlib import resources
 from pathlib import Path
 
 import torch
+from torch import Tensor
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -173,3 +174,15 @@ def build_policy(
         bos_token_id=tokenizer.bos_token_id,
     )
     return LlamaForCausalLM(config)
+
+
+def token_logprobs(
+    model: PreTrainedModel, tokens: Tensor, lengths: Tensor, temperature: float
+) -> Tensor:
+    """[B, L-1]: log-prob of ``tokens[:, j + 1]`` given the tokens up to ``j``, under
+    ``log_softmax(logits / temperature)`` (the distribution the generator samples from), for
+    right-padded rows of ``lengths`` real tokens; differentiable unless under ``no_grad``."""
+    attention = (torch.arange(tokens.shape[1])[None, :] < lengths[:, None]).long()
+    logits = model(input_ids=tokens, attention_mask=attention).logits[:, :-1]
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    return logp.gather(-1, tokens[:, 1:, None]).squeeze(-1)

@@ -36,6 +36,7 @@ class MetricsLog:
         wandb_mode: str = "offline",
         config: dict | None = None,
     ):
+        self.run_dir = run_dir
         self.path = run_dir / "metrics.jsonl"
         self._file = self.path.open("a")
         self._writer = None

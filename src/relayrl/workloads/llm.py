@@ -1,5 +1,6 @@
-"""The LLM workload (LlamaRL): generator replicas sample completion groups, rewarder replicas
-score them, the trainer group learns from them with an off-policy-corrected loss."""
+"""The LLM workload (LlamaRL): generator replicas sample completion groups, a chain of scoring
+stages (rewarder replicas; reference replicas when the KL term is on) scores them, and the trainer
+group learns from them with an off-policy-corrected loss."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import ray
 
 from relayrl.config import Config
 from relayrl.executors.generator import Generator
+from relayrl.executors.reference import Reference
 from relayrl.executors.rewarder import Rewarder
 from relayrl.executors.trainer import Trainer
 from relayrl.launch import (
@@ -26,7 +28,13 @@ from relayrl.recovery import DEATHS, Recovery, alive
 
 
 class LLMWorkload:
-    """Roles ``trainer`` (ranks), ``generator`` and ``rewarder`` (replicas)."""
+    """Roles ``trainer`` (ranks), ``generator``, ``rewarder`` and, with ``trainer.kl_coef`` > 0,
+    ``reference`` (replicas).
+
+    The scoring stages (``scorers``) are role groups whose ``score`` takes the batch(es) the stage
+    before returned and returns ``(summary, batch)``; the loops pass every batch through them in
+    order. The reference's weights are the trainer's version 0, saved in the run directory
+    (``reference/``) once the warm start is done."""
 
     def __init__(self, cfg: Config, make_env: Any = None):
         if make_env is not None:
@@ -44,6 +52,8 @@ class LLMWorkload:
         self.trainer = Group("trainer", [])
         self.generators = Group("generator", [])
         self.rewarders = Group("rewarder", [])
+        self.references = Group("reference", [])
+        self.reference_path: str | None = None  # the reference's weights, once saved
         self.legend: dict[str, str] = {}  # learning-curve labels: the plot's defaults
         self.recovery: Recovery | None = None  # set once weight sync is connected
 
@@ -74,6 +84,14 @@ class LLMWorkload:
                 for i in range(cfg.rewarder.replicas)
             ],
         )
+        if cfg.trainer.kl_coef > 0:
+            self.references = Group(
+                "reference",
+                [
+                    ray.remote(Reference).options(**at("reference", i)).remote(cfg)
+                    for i in range(cfg.reference.replicas)
+                ],
+            )
         form_trainer_group(self.trainer)
 
     def recreate(self, role: str, index: int, incarnation: int) -> Any:
@@ -85,20 +103,33 @@ class LLMWorkload:
             return ray.remote(Generator).options(**at(role, index)).remote(cfg, replica=replica)
         if role == "rewarder":
             return ray.remote(Rewarder).options(**at(role, index)).remote(cfg)
-        raise ValueError(f"a {role} is not replaced: only generator and rewarder replicas are")
+        if role == "reference":
+            actor = ray.remote(Reference).options(**at(role, index)).remote(cfg)
+            actor.load.remote(self.reference_path)  # runs before any score call
+            return actor
+        raise ValueError(
+            f"a {role} is not replaced: only generator, rewarder and reference replicas are"
+        )
 
     def roles(self) -> dict[str, tuple[int, dict[str, float]]]:
         """Each role's actor count and the Ray resources each of its actors needs."""
         cfg = self.cfg
-        return {
+        roles = {
             "trainer": (cfg.trainer.ranks, cfg.trainer.resources),
             "generator": (cfg.generator.replicas, cfg.generator.resources),
             "rewarder": (cfg.rewarder.replicas, cfg.rewarder.resources),
         }
+        if cfg.trainer.kl_coef > 0:
+            roles["reference"] = (cfg.reference.replicas, cfg.reference.resources)
+        return roles
 
     def groups(self) -> list[Group]:
-        """Trainer ranks, generator replicas, rewarder replicas."""
-        return [self.trainer, self.generators, self.rewarders]
+        """Trainer ranks, generator replicas, then the scoring stages."""
+        return [self.trainer, self.generators, *self.scorers()]
+
+    def scorers(self) -> list[Group]:
+        """The scoring stages in the order a batch passes them: rewarders, then references."""
+        return [self.rewarders] + ([self.references] if self.references.actors else [])
 
     def traced(self) -> dict[str, Any]:
         """Executors that record spans, by name."""
@@ -117,15 +148,23 @@ class LLMWorkload:
     async def snapshot(self) -> dict[str, Any]:
         """For a run checkpoint: every generator's and rewarder's state (unfinished partial
         rollouts, samplers and random state included), by executor name."""
-        return await snapshot([self.generators, self.rewarders])
+        return await snapshot([self.generators, *self.scorers()])
 
     def restore(self, parts: dict[str, Any]) -> None:
-        """Load what ``snapshot`` saved into the generators and rewarders."""
-        restore([self.generators, self.rewarders], parts)
+        """Load what ``snapshot`` saved into the generators and scoring stages (the references
+        reload the weights saved in the run directory)."""
+        restore([self.generators, *self.scorers()], parts)
+        if self.references.actors:
+            self.reference_path = parts[self.references.names[0]]["path"]
 
     def prepare(self, log: MetricsLog) -> dict:
-        """Warm start (publishing version 0 to every replica), then evaluate held-out."""
+        """Warm start (publishing version 0 to every replica), give the references version 0,
+        then evaluate held-out."""
         warm = self._warm_start()
+        if self.references.actors:
+            self.reference_path = str(log.run_dir / "reference")
+            ray.get([rank.save_pretrained.remote(self.reference_path) for rank in self.trainer])
+            ray.get([r.load.remote(self.reference_path) for r in self.references])
         say("evaluating held-out before RL")
         start = asyncio.run(self.evaluate())
         log.log(0, {**{f"eval/{k}": v for k, v in start.items()}, **warm})

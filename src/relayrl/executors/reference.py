@@ -1,0 +1,101 @@
+"""Reference executor: the frozen policy of the KL term, scoring completions' log-probs.
+
+It holds the policy as it was when RL started (after the warm start): the workload saves the
+trainer's version-0 weights to the run directory and every replica ``load``s them, and a resumed
+run reloads them from there. ``score`` fills each completion token's log-probability under that
+policy (``ref_logprobs``, aligned with ``logprobs``), computed as the trainer computes log pi: the
+logits divided by the sampling temperature. The trainer turns them into the KL term (in the loss
+or in the reward, ``trainer.kl_in``); the summary's ``kl_mu_ref`` is the mean over completions of
+the summed estimate of KL(mu || ref), mu being the behaviour log-probs the generator recorded.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM
+
+from relayrl.algorithms.kl import sequence_kl
+from relayrl.config import Config
+from relayrl.models.lm import token_logprobs
+from relayrl.observability.tracing import Span, Tracer
+from relayrl.types import RolloutBatch
+
+ROWS_PER_FORWARD = 64  # bounds the logits' memory: [rows, L, vocab] float32
+
+
+class Reference:
+    """Frozen reference policy; a Ray actor in a run, a plain object in tests."""
+
+    name = "reference"
+
+    def __init__(self, cfg: Config):
+        torch.set_num_threads(cfg.ray.threads_per_executor)
+        self.cfg = cfg
+        self.model: torch.nn.Module | None = None
+        self.path: str | None = None
+        self.tracer = Tracer(self.name)
+        self.scored = 0
+
+    def load(self, path: str) -> None:
+        """Load the reference weights from a Hugging Face checkpoint directory."""
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        self.path = path
+
+    def score(self, batch: RolloutBatch) -> tuple[dict[str, float], RolloutBatch]:
+        """A small summary, and ``batch`` with ``ref_logprobs`` filled in."""
+        if self.model is None:
+            raise RuntimeError("call load() before score()")
+        with self.tracer.span("reference"):
+            return self._score(batch)
+
+    def _score(self, batch: RolloutBatch) -> tuple[dict[str, float], RolloutBatch]:
+        start = time.perf_counter()
+        ref = np.zeros_like(batch.logprobs)
+        for offset in range(0, len(batch), ROWS_PER_FORWARD):
+            rows = slice(offset, offset + ROWS_PER_FORWARD)
+            with torch.no_grad():
+                ref[rows, 1:] = token_logprobs(
+                    self.model,
+                    torch.from_numpy(batch.tokens[rows]),
+                    torch.from_numpy(batch.prompt_len[rows] + batch.completion_len[rows]),
+                    self.cfg.generator.temperature,
+                ).numpy()
+        mask = torch.from_numpy(batch.completion_mask)
+        ref = np.where(batch.completion_mask, ref, 0.0).astype(np.float32)
+        kl = sequence_kl(
+            torch.from_numpy(batch.logprobs),
+            torch.from_numpy(ref),
+            mask,
+            self.cfg.trainer.kl_estimator,
+        )
+        self.scored += len(batch)
+        summary = {
+            "samples": len(batch),
+            "errors": 0,
+            "timeouts": 0,
+            "kl_mu_ref": float(kl.mean()) if len(batch) else 0.0,
+            "busy_s": time.perf_counter() - start,
+        }
+        return summary, replace(batch, ref_logprobs=ref)
+
+    def stats(self) -> dict[str, float]:
+        """Counters for the run summary."""
+        return {"busy_s": self.tracer.busy_s(), "scored": self.scored}
+
+    def trace(self) -> tuple[list[Span], list[Span]]:
+        """Busy spans and waits recorded so far."""
+        return self.tracer.spans, self.tracer.waits
+
+    def state_dict(self) -> dict:
+        """Where its weights are (the run directory's copy) and its counter."""
+        return {"path": self.path, "scored": self.scored}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Reload the weights ``state_dict`` names and restore the counter."""
+        if state["path"] is not None:
+            self.load(state["path"])
+        self.scored = state["scored"]

@@ -1,0 +1,44 @@
+"""Runs with the KL term: the reference role is placed, scores every batch, survives being
+killed, and the trainer reports the KL to it every step."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import tiny_config
+from test_controller import SMALL
+from test_recovery import Kept, _kill_at
+
+from relayrl import job
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_the_kl_to_the_reference_starts_at_zero_grows_and_survives_a_dead_reference(
+    ray_session, tmp_path, monkeypatch, mode
+):
+    monkeypatch.setitem(job.WORKLOADS, "llm", Kept)
+    cfg = tiny_config(
+        *SMALL,
+        f"mode={mode}",
+        "steps=8",
+        "max_staleness=0",  # on-policy: step 1 trains the reference's own samples
+        "trainer.kl_coef=0.1",
+        "trainer.lr=0.01",
+        "log.every=1",
+        "sync.timeout_s=5",
+    )
+    run_dir = tmp_path / "run"
+    todo = _kill_at(monkeypatch, [(4, "reference", 0, "ray.kill")])
+    summary = job.train(cfg, run_dir)
+    assert todo == []
+
+    assert summary["status"] == "finished" and summary["steps"] == 8
+    assert [f["name"] for f in summary["failures"]["reference"]] == ["reference"]
+    assert summary["samples"]["accounted"]
+    assert (run_dir / "reference" / "model.safetensors").is_file()
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+    kl = {r["step"]: r["loss/kl_ref"] for r in records if "loss/kl_ref" in r}
+    assert sorted(kl) == list(range(1, 9))  # every step, the replacement's included
+    assert abs(kl[1]) < 1e-5  # version 0 is the reference
+    assert kl[8] > 1e-4  # the policy moved away from it
