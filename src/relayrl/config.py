@@ -177,10 +177,10 @@ class GeneratorConfig(_Section):
         "fp32",
         description="Arithmetic of the generator's matmuls. fp32: floating point, on the weights "
         "as sync.precision holds them (bf16/fp16 copies compute in that dtype, int8/fp8 storage "
-        "is dequantised first). int8: every linear layer (the output layer too) runs a "
-        "weight-only int8 matmul on int8 weights with per-row scales, and embeddings gather "
-        "int8 rows; the receiver stores the weights so (sync.precision null or int8). The "
-        "trainer stays in full precision; mu is the int8 model's, so AIPO's pi/mu corrects "
+        "is dequantised first). int8: every linear layer (the output layer too) runs torch's "
+        "dynamically quantised int8 matmul on int8 weights with per-row scales, and embeddings "
+        "gather int8 rows; the receiver stores the weights so (sync.precision null or int8). "
+        "The trainer stays in full precision; mu is the int8 model's, so AIPO's pi/mu corrects "
         "the mismatch (summary.json: staleness.ratio_mean).",
     )
     resources: dict[str, float] = _resources("generator")

@@ -332,8 +332,8 @@ class ReceiverState:
     cannot starve it. In a quantised precision (``int8``, ``fp8``) each 2-D weight becomes a
     parametrization that dequantises the stored values with their row scales on access, unless
     the model already holds it quantised in a module that computes with it (``weight_sync.int8``,
-    the int8 generator): then the stored values and scales are that module's ``weight`` and
-    ``scale`` buffers.
+    the int8 generator): then the swap hands that module its stored values and scales
+    (``rebind``).
 
     Each trainer shard sends whole tensors, pieces (rows of a full tensor), or both; the pieces
     of a tensor over all shards must hold each of its rows once. When there are pieces, both
@@ -395,14 +395,12 @@ class ReceiverState:
     def _bind_target(self, name: str, current: Tensor) -> None:
         module, attr = _owner(self.model, name)
         if name in self.quantized and current.dtype == QUANTIZED[self.precision][0]:
-            # The module computes with the quantised values itself (weight_sync.int8): bind them
-            # and its ``scale`` buffer, which the same swap rebinds.
-            if "scale" not in module._buffers:
-                raise ValueError(f"{name!r} is held quantised by a module with no scale buffer")
-            self._slots_for[name] = lambda view, m=module, a=attr: m._buffers.__setitem__(a, view)
-            self._slots_for[name + SCALE] = lambda view, m=module: m._buffers.__setitem__(
-                "scale", view
-            )
+            # The module computes with the quantised values itself (weight_sync.int8): the swap
+            # hands it the values and their scales.
+            if not hasattr(module, "rebind"):
+                raise ValueError(f"{name!r} is held quantised by a module with no rebind()")
+            self._slots_for[name] = lambda view, m=module, a=attr: m.rebind(a, view)
+            self._slots_for[name + SCALE] = lambda view, m=module: m.rebind("scale", view)
         elif name in self.quantized:
             dequant = Dequantize(current.shape[0], current.dtype)
             parametrize.register_parametrization(module, attr, dequant, unsafe=True)
