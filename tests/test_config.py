@@ -320,6 +320,37 @@ def test_in_place_sync_needs_the_dist_transport():
     assert load_config(None, ["sync.in_place=true", "sync.transport=dist"]).sync.in_place
 
 
+def test_generator_precision_fp8_is_refused_with_what_is_allowed():
+    message = config_error(None, ["generator.precision=fp8"])
+
+    assert message.startswith("generator.precision = 'fp8': fp8 matmuls need a CUDA GPU")
+    assert "allowed: fp32, int8" in message
+
+
+def test_unknown_generator_precision_lists_the_precisions():
+    message = config_error(None, ["generator.precision=int4"])
+
+    assert message == "generator.precision = 'int4': Input should be 'fp32' or 'int8'"
+
+
+@pytest.mark.parametrize("storage", ["fp32", "bf16", "fp16", "fp8"])
+def test_an_int8_generator_needs_int8_storage_at_the_receiver(storage):
+    message = config_error(None, ["generator.precision=int8", f"sync.precision={storage}"])
+
+    assert message.startswith("generator.precision=int8 computes with the int8 weights")
+    assert f"sync.precision={storage} stores them otherwise" in message
+
+
+@pytest.mark.parametrize("storage", [None, "int8"])
+def test_an_int8_generator_takes_null_or_int8_storage(storage):
+    overrides = ["generator.precision=int8", f"sync.precision={storage or 'null'}"]
+
+    cfg = load_config(None, overrides)
+
+    assert cfg.generator.precision == "int8" and cfg.sync.precision == storage
+    assert load_config(None, []).generator.precision == "fp32"
+
+
 @pytest.mark.parametrize(
     ("workload", "key"),
     [
@@ -328,6 +359,7 @@ def test_in_place_sync_needs_the_dist_transport():
         ("embodied", "generator.group_size=4"),
         ("embodied", "trainer.advantage=dr_grpo"),
         ("embodied", "sync.precision=bf16"),
+        ("embodied", "generator.precision=int8"),
     ],
 )
 def test_a_knob_the_workload_does_not_read_is_refused(workload, key):

@@ -192,7 +192,27 @@ class GeneratorConfig(_Section):
         "one replica and no partial rollouts; needs max_staleness >= min_lag and, in async "
         "mode, channels.capacity >= min_lag. 0: off (lags are what timing gives).",
     )
+    precision: Literal["fp32", "int8"] = Field(
+        "fp32",
+        description="Arithmetic of the generator's matmuls. fp32: floating point, on the weights "
+        "as sync.precision holds them (bf16/fp16 copies compute in that dtype, int8/fp8 storage "
+        "is dequantised first). int8: every linear layer (the output layer too) runs torch's "
+        "dynamically quantised int8 matmul on int8 weights with per-row scales, and embeddings "
+        "gather int8 rows; the receiver stores the weights so (sync.precision null or int8). "
+        "The trainer stays in full precision; mu is the int8 model's, so AIPO's pi/mu corrects "
+        "the mismatch (summary.json: staleness.ratio_mean).",
+    )
     resources: dict[str, float] = _resources("generator")
+
+    @field_validator("precision", mode="before")
+    @classmethod
+    def _fp8_needs_a_gpu(cls, value: Any) -> Any:
+        if value == "fp8":
+            raise ValueError(
+                "fp8 matmuls need a CUDA GPU that has them, and relayrl generates on CPU; "
+                "allowed: fp32, int8 (sync.precision=fp8 stores fp8 weights, upcast to compute)"
+            )
+        return value
 
 
 class RewarderConfig(_Section):
@@ -689,6 +709,12 @@ class Config(_Section):
             raise ValueError(
                 f"channels.capacity={self.channels.capacity} must be >= generator.min_lag={lag} "
                 "in async mode: a batch waits in the channels until min_lag younger ones started"
+            )
+        if self.generator.precision == "int8" and self.sync.precision not in (None, "int8"):
+            raise ValueError(
+                f"generator.precision=int8 computes with the int8 weights the receiver stores, "
+                f"but sync.precision={self.sync.precision} stores them otherwise; set "
+                "sync.precision to int8 or null (null: int8, as generator.precision says)"
             )
         if self.sync.in_place and self.trainer.ranks > 1:
             raise ValueError(

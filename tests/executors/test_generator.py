@@ -8,6 +8,7 @@ from conftest import tiny_config
 
 from relayrl.executors.generator import Generator
 from relayrl.weight_sync import TRANSPORTS
+from relayrl.weight_sync.int8 import Int8Linear
 
 
 def _completions_by_prompt(batches) -> dict[tuple, list[int]]:
@@ -84,3 +85,35 @@ def test_an_int8_generator_serves_a_quantised_copy_of_the_trainers_weights():
     meta, batch = gen.generate()
     assert meta.samples == len(batch) > 0 and np.all(batch.versions[batch.completion_mask] == 3)
     publisher.close()
+
+
+def _completion_log_probs(model: torch.nn.Module, batch) -> torch.Tensor:
+    """Teacher-forced log-probs of every token given the ones before it, as the trainer takes
+    them: [B, T-1]."""
+    tokens = torch.from_numpy(batch.tokens)
+    lengths = torch.from_numpy(batch.prompt_len + batch.completion_len)
+    attention = (torch.arange(tokens.shape[1])[None, :] < lengths[:, None]).long()
+    with torch.no_grad():
+        logits = model(input_ids=tokens, attention_mask=attention).logits[:, :-1]
+    return torch.log_softmax(logits.float(), -1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
+
+
+def test_an_int8_generator_records_log_probs_close_to_the_fp32_models():
+    """mu is the int8 model's log-prob, near the full-precision policy's but not equal to it:
+    the gap that AIPO's pi/mu corrects. (It is not the int8 model's teacher-forced log-prob to
+    rounding: the int8 matmul quantises activations over the whole batch.)"""
+    common = ["generator.max_new_tokens=6", "generator.max_new_tokens_per_step=6"]
+    trainer_model = Generator(tiny_config(*common)).model
+    gen = Generator(tiny_config(*common, "generator.precision=int8"))
+    assert isinstance(gen.model.model.layers[0].mlp.up_proj, Int8Linear)
+    publisher = TRANSPORTS["shm"].Publisher(trainer_model.state_dict(), ["generator"])
+    gen.open_sync([publisher.address])
+    assert gen.receiver.precision == "int8"
+    gen.update_weights(publisher.publish(1, trainer_model.state_dict()))
+    _, batch = gen.generate()
+    publisher.close()
+    mask = torch.from_numpy(batch.completion_mask[:, 1:])
+    mu = torch.from_numpy(batch.logprobs[:, 1:])[mask]
+    assert len(mu) > 100
+    fp32_gap = (mu - _completion_log_probs(trainer_model, batch)[mask]).abs()
+    assert 1e-4 < fp32_gap.max() < 0.05 and fp32_gap.mean() < 0.01

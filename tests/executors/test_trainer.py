@@ -15,7 +15,7 @@ from relayrl.executors.generator import Generator
 from relayrl.executors.trainer import Trainer
 from relayrl.executors.trainer_core import TrainerCore
 from relayrl.observability.metrics import RunTally
-from relayrl.types import RolloutBatch
+from relayrl.types import RolloutBatch, StepResult
 
 
 def _batch(versions_per_group: list[int], group_size: int = 2) -> RolloutBatch:
@@ -127,6 +127,21 @@ def test_the_run_tally_reports_the_run_level_lengths_of_dropped_and_trained_samp
     assert (tally.trained, tally.dropped_stale) == (4, 2)
     # per sample, not per step: (1 + 1 + 2 + 2) / 4 and (2 + 2) / 2
     assert tally.lengths() == {"trained_len_mean": 1.5, "dropped_len_mean": 2.0}
+
+
+def test_the_run_tally_reports_the_mean_pi_mu_ratio_over_optimizer_steps():
+    tally = RunTally(steps=3, progress=False)
+    tally.start()
+    assert tally.staleness()["ratio_mean"] is None
+    # the middle step took no optimizer step, so it has no ratio and does not count
+    for metrics in ({"loss/ratio_mean": 1.0}, {}, {"loss/ratio_mean": 0.9}):
+        result = StepResult(bool(metrics), 0, 2, 2, 0, [2], 0.0, metrics=metrics)
+        tally.on_trained(result)
+    tally.close()
+    assert tally.staleness()["ratio_mean"] == pytest.approx(0.95)
+    resumed = RunTally(steps=3, progress=False)
+    resumed.load_state_dict(tally.state_dict())
+    assert resumed.staleness()["ratio_mean"] == pytest.approx(0.95)
 
 
 def test_an_empty_batch_is_a_step_that_takes_no_update():

@@ -26,6 +26,7 @@ from relayrl.observability.tracing import Span, Tracer
 from relayrl.types import RolloutBatch, RolloutMeta
 from relayrl.weight_sync import TRANSPORTS, Ticket
 from relayrl.weight_sync.buckets import precision_dtype
+from relayrl.weight_sync.int8 import to_int8
 
 REPLICA_SEED_STRIDE = 7919  # seed offset between generator replicas
 
@@ -56,6 +57,8 @@ class Generator:
         self.cfg = cfg.generator
         self.tokenizer, self.codec = load_codec(cfg)
         self.model = build_policy(cfg.model, self.tokenizer, cfg.run.seed).eval()
+        if self.cfg.precision == "int8":
+            to_int8(self.model)
         self.task = build_task(cfg.task)
         self.probe = self.task.sample(cfg.warm_start.probe_size, random.Random(cfg.run.seed + 4))
         # Replicas draw different prompts and samples; replica 0 keeps the single-replica seeds.
@@ -172,16 +175,17 @@ class Generator:
         return _to_batch(samples, [a for a in answers for _ in range(k)], group_size=k)
 
     def open_sync(self, addresses: list[dict], name: str = "generator") -> None:
-        """Attach a weight-sync receiver (in ``sync.precision``) to the publishers of every
-        trainer rank."""
-        dtype = precision_dtype(self.sync_cfg.precision)
+        """Attach a weight-sync receiver to the publishers of every trainer rank; it holds the
+        weights in ``sync.precision``, int8 when the generator computes in int8."""
+        precision = "int8" if self.cfg.precision == "int8" else self.sync_cfg.precision
+        dtype = precision_dtype(precision)
         if dtype is not None:
             self.model.to(dtype)
         self.receiver = TRANSPORTS[addresses[0]["kind"]].Receiver(
             self.model,
             addresses,
             name,
-            precision=self.sync_cfg.precision,
+            precision=precision,
             timeout_s=self.sync_cfg.timeout_s,
         )
 

@@ -103,6 +103,8 @@ TALLIED = (
     "gen_s",
     "score_s",
     "train_s",
+    "ratio_sum",
+    "ratio_steps",
 )  # what a checkpoint keeps of a RunTally
 
 
@@ -156,6 +158,10 @@ class RunTally:
         self.gen_s: list[float] = []
         self.score_s: list[float] = []
         self.train_s: list[float] = []
+        # Sum and count of the optimizer steps' loss/ratio_mean (the token mean of pi/mu): how
+        # far generation's mu is from the trained policy, through staleness and precision.
+        self.ratio_sum = 0.0
+        self.ratio_steps = 0
         self.idle = Tracers()  # waits the controller sees, by executor name
         self._recent: dict[str, float] = {}
         self._total = steps
@@ -233,6 +239,9 @@ class RunTally:
         self._bar.update(1)
         elapsed = time.perf_counter() - self._start
         out = dict(result.metrics)
+        if "loss/ratio_mean" in out:
+            self.ratio_sum += out["loss/ratio_mean"]
+            self.ratio_steps += 1
         if warning := self.ess.see(self.steps, out):
             say(warning)
         out |= {
@@ -262,7 +271,10 @@ class RunTally:
         return out
 
     def staleness(self) -> dict:
-        """Mean, max and histogram of trained samples' lag (trainer version - sample version)."""
+        """Mean, max and histogram of trained samples' lag (trainer version - sample version),
+        and ``ratio_mean``: the mean over optimizer steps of each step's token mean of pi/mu
+        (``loss/ratio_mean``; None before the first), which stale or lower-precision
+        generation moves away from 1."""
         total = sum(self.lag_hist.values())
         mean = sum(lag * n for lag, n in self.lag_hist.items()) / total if total else 0.0
         return {
@@ -270,6 +282,7 @@ class RunTally:
             "max": max(self.lag_hist, default=0),
             "hist": {str(lag): self.lag_hist[lag] for lag in sorted(self.lag_hist)},
             "ess_warnings": self.ess.warnings,
+            "ratio_mean": self.ratio_sum / self.ratio_steps if self.ratio_steps else None,
         }
 
     def lengths(self) -> dict:

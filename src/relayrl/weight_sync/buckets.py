@@ -36,6 +36,7 @@ QUANTIZED: dict[str, tuple[torch.dtype, float]] = {
     "int8": (torch.int8, 127.0),
     "fp8": (torch.float8_e4m3fn, 448.0),
 }
+STORAGE = {dtype for dtype, _ in QUANTIZED.values()}
 SCALE = "::scale"  # suffix of the name under which a quantised tensor's row scales travel
 
 Rows = Mapping[str, tuple[int, tuple[int, ...]]]
@@ -329,7 +330,10 @@ class ReceiverState:
     passes in flight (``serving`` blocks) to finish, rebinds the model's tensors and bumps the
     version. New forwards wait while a swap is pending, so a steady stream of forward passes
     cannot starve it. In a quantised precision (``int8``, ``fp8``) each 2-D weight becomes a
-    parametrization that dequantises the stored values with their row scales on access.
+    parametrization that dequantises the stored values with their row scales on access, unless
+    the model already holds it quantised in a module that computes with it (``weight_sync.int8``,
+    the int8 generator): then the swap hands that module its stored values and scales
+    (``rebind``).
 
     Each trainer shard sends whole tensors, pieces (rows of a full tensor), or both; the pieces
     of a tensor over all shards must hold each of its rows once. When there are pieces, both
@@ -358,6 +362,22 @@ class ReceiverState:
             if precision in QUANTIZED
             else set()
         )
+        # A model that computes with quantised weights (weight_sync.int8) is filled in its own
+        # storage dtype only; cast into, its tensors would hold garbage.
+        sent = {s.name: parse_dtype(s.dtype) for layout in self.wire_layouts for s in layout.specs}
+        storage = QUANTIZED[precision][0] if precision in QUANTIZED else None
+        held = sorted(
+            name
+            for name, tensor in state.items()
+            if tensor.dtype in STORAGE
+            and sent[name].is_floating_point
+            and not (name in self.quantized and tensor.dtype == storage)
+        )
+        if held:
+            raise ValueError(
+                f"the model already holds {held[:3]} quantised (int8 compute modules, see "
+                f"weight_sync.int8): receive with precision='int8', not {precision!r}"
+            )
         self._slots_for: dict[str, Callable[[Tensor], None]] = {}
         for name, tensor in state.items():
             self._bind_target(name, tensor)
@@ -374,7 +394,14 @@ class ReceiverState:
 
     def _bind_target(self, name: str, current: Tensor) -> None:
         module, attr = _owner(self.model, name)
-        if name in self.quantized:
+        if name in self.quantized and current.dtype == QUANTIZED[self.precision][0]:
+            # The module computes with the quantised values itself (weight_sync.int8): the swap
+            # hands it the values and their scales.
+            if not hasattr(module, "rebind"):
+                raise ValueError(f"{name!r} is held quantised by a module with no rebind()")
+            self._slots_for[name] = lambda view, m=module, a=attr: m.rebind(a, view)
+            self._slots_for[name + SCALE] = lambda view, m=module: m.rebind("scale", view)
+        elif name in self.quantized:
             dequant = Dequantize(current.shape[0], current.dtype)
             parametrize.register_parametrization(module, attr, dequant, unsafe=True)
             stored = module.parametrizations[attr].original
