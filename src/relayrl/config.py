@@ -232,6 +232,33 @@ class RewarderConfig(_Section):
     resources: dict[str, float] = _resources("rewarder")
 
 
+class RewardModelConfig(_Section):
+    """A learned reward: a sequence-classification model scoring (prompt, completion) pairs."""
+
+    path: str | None = Field(
+        None,
+        description="Local Hugging Face sequence-classification checkpoint (one label: the "
+        "score) with its tokenizer; set, it places the reward_model role after the rewarder.",
+    )
+    weight: float = Field(1.0, description="reward = rule_weight * rule reward + weight * score.")
+    rule_weight: float = Field(
+        1.0, description="Weight of the rewarder's rule reward in the combined reward."
+    )
+    batch_size: int = Field(64, ge=1, description="Pairs scored per forward pass.")
+    max_length: int = Field(
+        512, ge=8, description="Longest (prompt, completion) pair in tokens; longer are cut."
+    )
+    replicas: int = Field(1, ge=1, description="Reward-model replicas.")
+    resources: dict[str, float] = _resources("reward_model")
+
+    @field_validator("path")
+    @classmethod
+    def _path_exists(cls, value: str | None) -> str | None:
+        if value is not None and not Path(value).is_dir():
+            raise ValueError("directory does not exist")
+        return value
+
+
 class ReferenceConfig(_Section):
     """The frozen reference policy of the KL term; placed only when trainer.kl_coef > 0."""
 
@@ -631,6 +658,7 @@ NOT_FOR: dict[str, tuple[str, ...]] = {
         "trainer.kl_coef",
         "trainer.kl_estimator",
         "trainer.kl_in",
+        "reward_model",
         "reference",
         "sync.precision",
     ),
@@ -668,6 +696,7 @@ class Config(_Section):
     warm_start: WarmStartConfig = WarmStartConfig()
     generator: GeneratorConfig = GeneratorConfig()
     rewarder: RewarderConfig = RewarderConfig()
+    reward_model: RewardModelConfig = RewardModelConfig()
     reference: ReferenceConfig = ReferenceConfig()
     trainer: TrainerConfig = TrainerConfig()
     channels: ChannelsConfig = ChannelsConfig()

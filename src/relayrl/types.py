@@ -30,6 +30,7 @@ class RolloutBatch:
     rewards: np.ndarray | None = None  # [B] float32, filled by the rewarder
     score_errors: int = 0  # scorer calls that raised, filled by the rewarder
     ref_logprobs: np.ndarray | None = None  # [B, L] float32 like logprobs, by the reference
+    rule_rewards: np.ndarray | None = None  # [B] the rewarder's, kept when a reward model mixes
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -63,6 +64,7 @@ class RolloutBatch:
 
         scored = all(b.rewards is not None for b in batches)
         referenced = all(b.ref_logprobs is not None for b in batches)
+        ruled = all(b.rule_rewards is not None for b in batches)
         return cls(
             tokens=stack("tokens", 0),
             prompt_len=np.concatenate([b.prompt_len for b in batches]),
@@ -76,6 +78,7 @@ class RolloutBatch:
             rewards=np.concatenate([b.rewards for b in batches]) if scored else None,
             score_errors=sum(b.score_errors for b in batches),
             ref_logprobs=stack("ref_logprobs", 0.0) if referenced else None,
+            rule_rewards=np.concatenate([b.rule_rewards for b in batches]) if ruled else None,
         )
 
     def select(self, keep: np.ndarray) -> RolloutBatch:
@@ -93,6 +96,7 @@ class RolloutBatch:
             completions=[self.completions[i] for i in rows] if self.completions else [],
             rewards=None if self.rewards is None else self.rewards[rows],
             ref_logprobs=None if self.ref_logprobs is None else self.ref_logprobs[rows],
+            rule_rewards=None if self.rule_rewards is None else self.rule_rewards[rows],
         )
 
 

@@ -154,7 +154,8 @@ class Trainer(TrainerCore):
         """One optimizer step on fresh groups, unless none of them carries a learning signal or
         the loss or gradient is not finite; returns the metrics and whether it stepped."""
         tc = self.cfg.trainer
-        task_rewards = batch.rewards
+        # The task's own reward, for the metrics: the rule reward where a reward model mixed in.
+        task_rewards = batch.rule_rewards if batch.rule_rewards is not None else batch.rewards
         kl_in_loss = tc.kl_coef > 0 and tc.kl_in == "loss"
         if tc.kl_coef > 0 and tc.kl_in == "reward":  # shaped before advantages and signal checks
             penalty = tc.kl_coef * sequence_kl(
@@ -168,6 +169,7 @@ class Trainer(TrainerCore):
         zero_signal = zero_signal_samples(rewards, batch.group_size)
         metrics = {
             "rollout/reward_mean": float(task_rewards.mean()),
+            "rollout/trained_reward_mean": float(batch.rewards.mean()),
             "rollout/accuracy": float(((task_rewards > 0) & batch.finished).mean()),
             "rollout/finished": float(batch.finished.mean()),
             "rollout/completion_len": float(batch.completion_len.mean()),
@@ -178,7 +180,7 @@ class Trainer(TrainerCore):
         }
         all_tokens = int(batch.completion_len.sum())
         if tc.kl_coef > 0 and tc.kl_in == "reward":
-            metrics["rollout/kl_penalty"] = float(task_rewards.mean() - batch.rewards.mean())
+            metrics["rollout/kl_penalty"] = float(penalty.mean())
         # Zero-advantage groups carry no policy gradient, but a batch statistic and the KL term
         # count their tokens.
         if tc.skip_zero_signal and tc.loss not in BATCH_STATISTICS and not kl_in_loss:

@@ -13,6 +13,7 @@ import ray
 from relayrl.config import Config
 from relayrl.executors.generator import Generator
 from relayrl.executors.reference import Reference
+from relayrl.executors.reward_model import RewardModel
 from relayrl.executors.rewarder import Rewarder
 from relayrl.executors.trainer import Trainer
 from relayrl.launch import (
@@ -28,8 +29,9 @@ from relayrl.recovery import DEATHS, Recovery, alive
 
 
 class LLMWorkload:
-    """Roles ``trainer`` (ranks), ``generator``, ``rewarder`` and, with ``trainer.kl_coef`` > 0,
-    ``reference`` (replicas).
+    """Roles ``trainer`` (ranks), ``generator``, ``rewarder``, and where configured
+    ``reward_model`` (``reward_model.path`` set) and ``reference`` (``trainer.kl_coef`` > 0), all
+    replicas but the trainer.
 
     The scoring stages (``scorers``) are role groups whose ``score`` takes the batch(es) the stage
     before returned and returns ``(summary, batch)``; the loops pass every batch through them in
@@ -52,6 +54,7 @@ class LLMWorkload:
         self.trainer = Group("trainer", [])
         self.generators = Group("generator", [])
         self.rewarders = Group("rewarder", [])
+        self.reward_models = Group("reward_model", [])
         self.references = Group("reference", [])
         self.reference_path: str | None = None  # the reference's weights, once saved
         self.legend: dict[str, str] = {}  # learning-curve labels: the plot's defaults
@@ -84,6 +87,14 @@ class LLMWorkload:
                 for i in range(cfg.rewarder.replicas)
             ],
         )
+        if cfg.reward_model.path is not None:
+            self.reward_models = Group(
+                "reward_model",
+                [
+                    ray.remote(RewardModel).options(**at("reward_model", i)).remote(cfg)
+                    for i in range(cfg.reward_model.replicas)
+                ],
+            )
         if cfg.trainer.kl_coef > 0:
             self.references = Group(
                 "reference",
@@ -103,13 +114,13 @@ class LLMWorkload:
             return ray.remote(Generator).options(**at(role, index)).remote(cfg, replica=replica)
         if role == "rewarder":
             return ray.remote(Rewarder).options(**at(role, index)).remote(cfg)
+        if role == "reward_model":
+            return ray.remote(RewardModel).options(**at(role, index)).remote(cfg)
         if role == "reference":
             actor = ray.remote(Reference).options(**at(role, index)).remote(cfg)
             actor.load.remote(self.reference_path)  # runs before any score call
             return actor
-        raise ValueError(
-            f"a {role} is not replaced: only generator, rewarder and reference replicas are"
-        )
+        raise ValueError(f"a {role} is not replaced: only generator and scoring-stage replicas are")
 
     def roles(self) -> dict[str, tuple[int, dict[str, float]]]:
         """Each role's actor count and the Ray resources each of its actors needs."""
@@ -119,6 +130,8 @@ class LLMWorkload:
             "generator": (cfg.generator.replicas, cfg.generator.resources),
             "rewarder": (cfg.rewarder.replicas, cfg.rewarder.resources),
         }
+        if cfg.reward_model.path is not None:
+            roles["reward_model"] = (cfg.reward_model.replicas, cfg.reward_model.resources)
         if cfg.trainer.kl_coef > 0:
             roles["reference"] = (cfg.reference.replicas, cfg.reference.resources)
         return roles
@@ -128,8 +141,10 @@ class LLMWorkload:
         return [self.trainer, self.generators, *self.scorers()]
 
     def scorers(self) -> list[Group]:
-        """The scoring stages in the order a batch passes them: rewarders, then references."""
-        return [self.rewarders] + ([self.references] if self.references.actors else [])
+        """The scoring stages in the order a batch passes them: rewarders, then reward models
+        and references where placed."""
+        optional = [self.reward_models, self.references]
+        return [self.rewarders] + [group for group in optional if group.actors]
 
     def traced(self) -> dict[str, Any]:
         """Executors that record spans, by name."""
