@@ -1,0 +1,308 @@
+"""A learned reward driving RL: the arithmetic job trained on a reward model's score alone.
+
+1. A classifier (``LlamaForSequenceClassification``, one label, the policy's sizes and tokenizer)
+   is trained here to score a (prompt, completion) pair: positives are the right answer, negatives
+   the right answer with one digit changed (near misses, the mistakes a policy makes) or a random
+   number of the same length. It never sees the held-out problems; its pair accuracy on them is
+   reported.
+2. One supervised warm start (as a run does it) gives the checkpoint both RL runs start from.
+3. From it, ``configs/arith.yaml`` trains twice in async mode: with the rule reward (exact answer)
+   and with the reward model alone (``reward_model.rule_weight=0``, ``weight=1``): the rewarder
+   still scores, but only for the metrics; the trained reward is the classifier's logit.
+
+Held-out accuracy is always the rule's (greedy, exact answer), so the two runs are measured alike.
+The full command (about 15 minutes on the 2-core reference machine)::
+
+    python benchmarks/reward_model.py
+
+A smoke run (a minute or two)::
+
+    python benchmarks/reward_model.py --steps 10 --eval-every 5 --rm-steps 50
+
+Other options: ``--rm-steps``, ``--rm-examples``, ``--out``, and ``a.b=value`` overrides of the
+shared config. It writes ``benchmarks/results/reward_model.json`` and ``.png`` (held-out accuracy
+against RL step for both runs, and the classifier's training loss) with the command line and the
+machine, and prints a Markdown table. Checkpoints and run directories are temporary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import random
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import matplotlib
+import matplotlib.pyplot as plt
+import ray
+import torch
+from common import git_state, machine, relative, save_result, warm_start
+from transformers import LlamaConfig, LlamaForSequenceClassification
+
+from relayrl.config import Config, load_config
+from relayrl.envs.arithmetic import AdditionTask
+from relayrl.job import train
+from relayrl.models.lm import load_tokenizer
+
+matplotlib.use("Agg")  # benchmark machines have no display
+
+REPO = Path(__file__).resolve().parents[1]
+NAME = "reward_model"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Train the classifier, warm-start once, run RL with each reward; write JSON + plot."""
+    args = parse_args(argv)
+    cfg = load_config(args.config, args.overrides)
+    began = time.time()
+    with tempfile.TemporaryDirectory(prefix="relayrl-rm-") as tmp:
+        tmp_dir = Path(tmp)
+        print(f"[{NAME}] training the reward model", file=sys.stderr)
+        classifier = train_classifier(cfg, args, tmp_dir / "rm")
+        print(f"[{NAME}] reward model: {json.dumps(classifier['heldout'])}", file=sys.stderr)
+        print(f"[{NAME}] warm start", file=sys.stderr)
+        warm = warm_start(cfg, tmp_dir / "start")
+        runs = {}
+        try:
+            for reward in ("rule", "reward_model"):
+                print(f"[{NAME}] RL with the {reward} reward", file=sys.stderr)
+                run_cfg = run_config(args, reward, tmp_dir)
+                runs[reward] = run_once(run_cfg, tmp_dir / reward)
+        finally:
+            ray.shutdown()
+    result = {
+        "benchmark": NAME,
+        "command": shlex.join(["python", *(relative(arg) for arg in sys.argv)]),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine(),
+        "git": git_state(),
+        "settings": {
+            "config": relative(str(args.config)),
+            "steps": args.steps,
+            "eval_every": args.eval_every,
+            "rm_steps": args.rm_steps,
+            "rm_examples": args.rm_examples,
+            "overrides": [relative(item) for item in args.overrides],
+        },
+        "reward_model": classifier,
+        "warm_start": warm,
+        "runs": runs,
+        "wall_clock_s": time.time() - began,
+    }
+    save_result(args.out, NAME, result, plot, markdown(result))
+    return 0
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line; ``overrides`` are ``a.b=value`` items applied to every run."""
+    parser = argparse.ArgumentParser(
+        description="Train a reward model, then the arithmetic job on its score alone and on the "
+        "rule reward, from one warm start; report held-out accuracy."
+    )
+    parser.add_argument(
+        "--config", type=Path, default=REPO / "configs" / "arith.yaml", help="configs/arith.yaml"
+    )
+    parser.add_argument("--steps", type=int, default=600, help="RL steps per run (600)")
+    parser.add_argument("--eval-every", type=int, default=50, help="held-out period (50)")
+    parser.add_argument("--rm-steps", type=int, default=3000, help="classifier steps (3000)")
+    parser.add_argument(
+        "--rm-examples", type=int, default=20000, help="training problems of the classifier"
+    )
+    parser.add_argument(
+        "--out", type=Path, default=REPO / "benchmarks" / "results", help="benchmarks/results"
+    )
+    parser.add_argument("overrides", nargs="*", help="a.b=value overrides for every run")
+    args = parser.parse_args(argv)
+    if min(args.steps, args.eval_every, args.rm_steps, args.rm_examples) < 1:
+        parser.error("--steps, --eval-every, --rm-steps and --rm-examples must be >= 1")
+    return args
+
+
+def _negative(answer: str, rng: random.Random) -> str:
+    """A wrong answer: one digit changed (a near miss) or, a third of the time, a random number
+    of the same length."""
+    if rng.random() < 1 / 3:
+        while True:
+            wrong = "".join(rng.choice("0123456789") for _ in answer)
+            if wrong != answer:
+                return wrong
+    at = rng.randrange(len(answer))
+    digit = rng.choice([d for d in "0123456789" if d != answer[at]])
+    return answer[:at] + digit + answer[at + 1 :]
+
+
+def _pairs(problems: list, rng: random.Random) -> tuple[list[str], list[str], list[float]]:
+    """For each problem its right answer (label 1) and a wrong one (label 0)."""
+    prompts, completions, labels = [], [], []
+    for problem in problems:
+        for completion, label in ((problem.answer, 1.0), (_negative(problem.answer, rng), 0.0)):
+            prompts.append(problem.prompt)
+            completions.append(completion)
+            labels.append(label)
+    return prompts, completions, labels
+
+
+def train_classifier(cfg: Config, args: argparse.Namespace, out: Path) -> dict:
+    """Train and save the reward model; its loss curve and held-out pair accuracy."""
+    start = time.perf_counter()
+    tc, mc = cfg.task, cfg.model
+    tokenizer = load_tokenizer(mc.tokenizer_source)
+    task = AdditionTask(tc.digits, tc.reverse_answer, tc.heldout_size)
+    rng = random.Random(cfg.run.seed + 11)
+    train_pairs = _pairs(task.sample(args.rm_examples, rng), rng)
+    test_pairs = _pairs(task.heldout(), rng)
+    torch.manual_seed(cfg.run.seed)
+    model = LlamaForSequenceClassification(
+        LlamaConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=mc.hidden_size,
+            num_hidden_layers=mc.num_layers,
+            num_attention_heads=mc.num_heads,
+            intermediate_size=mc.intermediate_size,
+            max_position_embeddings=mc.max_positions,
+            num_labels=1,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, args.rm_steps)
+    losses = []
+    batch_size = 128
+    for step in range(args.rm_steps):
+        rows = [rng.randrange(len(train_pairs[0])) for _ in range(batch_size)]
+        encoded = tokenizer(
+            [train_pairs[0][i] for i in rows],
+            [train_pairs[1][i] for i in rows],
+            padding=True,
+            return_tensors="pt",
+        )
+        labels = torch.tensor([train_pairs[2][i] for i in rows])
+        logits = model(**encoded).logits[:, 0]
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+        if step % 50 == 0 or step == args.rm_steps - 1:
+            losses.append((step, float(loss)))
+    model.eval()
+    correct = 0
+    with torch.no_grad():
+        for offset in range(0, len(test_pairs[0]), 512):
+            part = slice(offset, offset + 512)
+            encoded = tokenizer(
+                test_pairs[0][part], test_pairs[1][part], padding=True, return_tensors="pt"
+            )
+            predicted = model(**encoded).logits[:, 0] > 0
+            correct += int((predicted == torch.tensor(test_pairs[2][part]).bool()).sum())
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return {
+        "path": str(out),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "loss": losses,
+        "heldout": {"pairs": len(test_pairs[0]), "accuracy": correct / len(test_pairs[0])},
+        "time_s": time.perf_counter() - start,
+    }
+
+
+def run_config(args: argparse.Namespace, reward: str, tmp_dir: Path) -> Config:
+    """The config of one RL run from the warm-start checkpoint."""
+    by_model = [
+        f"reward_model.path={tmp_dir / 'rm'}",
+        "reward_model.rule_weight=0",
+        "reward_model.weight=1",
+    ]
+    return load_config(
+        args.config,
+        [
+            *args.overrides,
+            "mode=async",
+            f"steps={args.steps}",
+            f"model.path={tmp_dir / 'start'}",
+            "warm_start.max_steps=0",
+            f"log.eval_every={args.eval_every}",
+            "log.progress=false",
+            "log.tensorboard=false",
+            "run.checkpoint_every=0",
+            f"run.out_dir={tmp_dir}",
+            *(by_model if reward == "reward_model" else []),
+        ],
+    )
+
+
+def run_once(cfg: Config, run_dir: Path) -> dict:
+    """Train one run; its held-out curve, start and end accuracy, and books."""
+    with contextlib.redirect_stdout(sys.stderr):  # train() prints its summary; keep stdout
+        summary = train(cfg, run_dir)
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+    curve = sorted({r["step"]: r["eval/accuracy"] for r in records if "eval/accuracy" in r}.items())
+    trained = [
+        r["rollout/trained_reward_mean"] for r in records if "rollout/trained_reward_mean" in r
+    ]
+    return {
+        "start_accuracy": summary["eval"]["start"]["accuracy"],
+        "final_accuracy": summary["eval"]["end"]["accuracy"],
+        "eval_curve": curve,
+        "trained_reward_mean": sum(trained) / len(trained) if trained else None,
+        "samples_accounted": summary["samples"]["accounted"],
+        "wall_clock_s": summary["wall_clock_s"],
+    }
+
+
+def plot(result: dict, path: Path) -> Path:
+    """Held-out accuracy against RL step for both rewards; the classifier's loss."""
+    fig, (acc_ax, loss_ax) = plt.subplots(1, 2, figsize=(11, 4.5))
+    for reward, run in result["runs"].items():
+        steps, values = zip(*run["eval_curve"], strict=True)
+        acc_ax.plot(steps, values, "o-", label=f"{reward} reward")
+    acc_ax.set_xlabel("RL step")
+    acc_ax.set_ylabel("held-out accuracy (greedy, exact answer)")
+    acc_ax.set_title("RL from one warm start")
+    acc_ax.legend()
+    steps, losses = zip(*result["reward_model"]["loss"], strict=True)
+    loss_ax.plot(steps, losses)
+    loss_ax.set_xlabel("classifier step")
+    loss_ax.set_ylabel("binary cross-entropy")
+    held = result["reward_model"]["heldout"]
+    loss_ax.set_title(f"reward model: held-out pair accuracy {held['accuracy']:.3f}")
+    m = result["machine"]
+    fig.suptitle(f"relayrl reward model: {m['cpu_count']} CPUs, torch {m['torch']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def markdown(result: dict) -> str:
+    """One row per reward: start, end, gain; the classifier; the command."""
+    lines = [
+        "| reward | held-out start | held-out end | gain (points) |",
+        "|---|---|---|---|",
+    ]
+    for reward, run in result["runs"].items():
+        gain = 100 * (run["final_accuracy"] - run["start_accuracy"])
+        lines.append(
+            f"| {reward} | {100 * run['start_accuracy']:.1f} | {100 * run['final_accuracy']:.1f} "
+            f"| {gain:+.1f} |"
+        )
+    rm, m = result["reward_model"], result["machine"]
+    lines += [
+        "",
+        f"Reward model: {rm['parameters']:,} parameters, {result['settings']['rm_steps']} steps, "
+        f"held-out pair accuracy {rm['heldout']['accuracy']:.3f} over {rm['heldout']['pairs']} "
+        "pairs (right answer against a near miss or a random number).",
+        f"Command: `{result['command']}`; {m['platform']}, {m['cpu_count']} CPUs, "
+        f"torch {m['torch']}; {result['wall_clock_s'] / 60:.0f} min.",
+    ]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
