@@ -110,7 +110,7 @@ def _score_chain(stages: list[Group], i: int, batches: tuple) -> tuple[list, Any
 async def _scored(summary_refs: list) -> dict:
     """The scoring stages' summaries of one batch, added up: busy seconds, errors, timeouts."""
     summaries = [await ref for ref in summary_refs]  # in order: the first dead stage raises
-    return {key: sum(s[key] for s in summaries) for key in ("busy_s", "errors", "timeouts")}
+    return {key: sum(s.get(key, 0) for s in summaries) for key in ("busy_s", "errors", "timeouts")}
 
 
 async def _dead_stages(w: LLMWorkload, i: int) -> list[tuple[Group, int]]:

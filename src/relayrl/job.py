@@ -38,16 +38,20 @@ def train(
     make_env: Callable[[int], EmbodiedEnv] | None = None,
     *,
     resume: bool = False,
+    workload: Workload | None = None,
 ) -> dict:
     """Run a whole job in ``run_dir`` and return its summary (also written to summary.json).
 
     ``make_env`` (seed -> env) replaces the env that ``cfg.env`` describes in an embodied run.
     ``resume`` continues the run in ``run_dir`` from its newest valid checkpoint instead of
     starting one: no warm start, metrics and trace go on from the checkpoint's step.
+    ``workload`` runs instead of the one ``cfg.workload`` names (``relayrl.pipeline.Pipeline``
+    builds one with executors of your own).
     """
     started = time.time()
     run_dir.mkdir(parents=True, exist_ok=True)
-    workload: Workload = WORKLOADS[cfg.workload](cfg, make_env)
+    if workload is None:
+        workload = WORKLOADS[cfg.workload](cfg, make_env)
     tally = RunTally(
         cfg.steps, cfg.log.progress, EssWatch(cfg.log.ess_warn_below, cfg.log.ess_warn_steps)
     )

@@ -30,7 +30,9 @@ class RolloutBatch:
     rewards: np.ndarray | None = None  # [B] float32, filled by the rewarder
     score_errors: int = 0  # scorer calls that raised, filled by the rewarder
     ref_logprobs: np.ndarray | None = None  # [B, L] float32 like logprobs, by the reference
-    rule_rewards: np.ndarray | None = None  # [B] the rewarder's, kept when a reward model mixes
+    rule_rewards: np.ndarray | None = (
+        None  # [B] the rewarder's, kept as later stages change rewards
+    )
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])

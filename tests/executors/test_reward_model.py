@@ -59,7 +59,6 @@ def test_rewards_are_the_weighted_sum_of_rule_reward_and_score(classifier):
     # one pair at a time, without padding: the batched scores do not depend on the batch
     alone = np.array([rm.scores([p], [c])[0] for p, c in zip(prompts, completions, strict=True)])
     assert np.allclose(scored.rewards, 0.5 * batch.rewards + 2 * alone, atol=1e-5)
-    assert np.array_equal(scored.rule_rewards, batch.rewards)
     assert len(set(alone.round(5))) > 1  # the score depends on the text
     assert summary["samples"] == 4 and summary["score_mean"] == pytest.approx(alone.mean())
 

@@ -70,7 +70,7 @@ class RewardModel:
             "score_mean": float(scores.mean()) if len(batch) else 0.0,
             "busy_s": time.perf_counter() - start,
         }
-        return summary, replace(batch, rewards=rewards, rule_rewards=rule)
+        return summary, replace(batch, rewards=rewards)
 
     @torch.no_grad()
     def scores(self, prompts: list[str], completions: list[str]) -> np.ndarray:

@@ -1,4 +1,5 @@
-"""Rewarder executor: decodes completions and scores them with a rule-based scorer.
+"""Rewarder executor: decodes completions and scores them with a rule-based scorer (the config's
+``rewarder.scorer``, or a ``rule`` function of the user's, run in this process).
 
 A completion that did not end with EOS scores 0 (it was cut at the length limit). A scorer that
 raises scores 0 for that sample and is counted in ``errors`` (and the batch's ``score_errors``); the
@@ -31,15 +32,14 @@ class Rewarder:
 
     name = "rewarder"
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, rule: Callable[[str, str], float] | None = None):
         self.tokenizer = load_tokenizer(cfg.model.tokenizer_source)
         rc = cfg.rewarder
         # Scorers that parse model output (math) run in a sandboxed pool; exact matching is safe
         # and cheap enough to run here.
-        self.pool = (
-            ScoringPool(rc.workers, rc.timeout_s, rc.memory_mb) if rc.scorer == "math" else None
-        )
-        self.scorer = SCORERS.get(rc.scorer)
+        sandboxed = rule is None and rc.scorer == "math"
+        self.pool = ScoringPool(rc.workers, rc.timeout_s, rc.memory_mb) if sandboxed else None
+        self.scorer = rule if rule is not None else SCORERS.get(rc.scorer)
         self.tracer = Tracer(self.name)
         self.scored = 0
         self.errors = 0
@@ -74,7 +74,8 @@ class Rewarder:
             "reward_mean": float(rewards.mean()) if len(batch) else 0.0,
             "busy_s": elapsed,
         }
-        return summary, replace(batch, completions=texts, rewards=rewards, score_errors=errors)
+        scored = replace(batch, completions=texts, rewards=rewards, score_errors=errors)
+        return summary, replace(scored, rule_rewards=rewards.copy())  # kept as later stages mix
 
     def _score_pairs(self, pairs: list[tuple[str, str]]) -> tuple[list[float], int, int]:
         """Scores of (completion, reference) pairs, and how many raised and how many timed out."""

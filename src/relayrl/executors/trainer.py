@@ -154,7 +154,7 @@ class Trainer(TrainerCore):
         """One optimizer step on fresh groups, unless none of them carries a learning signal or
         the loss or gradient is not finite; returns the metrics and whether it stepped."""
         tc = self.cfg.trainer
-        # The task's own reward, for the metrics: the rule reward where a reward model mixed in.
+        # The task's own reward, for the metrics: the rule reward, before later stages changed it.
         task_rewards = batch.rule_rewards if batch.rule_rewards is not None else batch.rewards
         kl_in_loss = tc.kl_coef > 0 and tc.kl_in == "loss"
         if tc.kl_coef > 0 and tc.kl_in == "reward":  # shaped before advantages and signal checks

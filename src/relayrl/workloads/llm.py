@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import ray
 
@@ -27,6 +28,9 @@ from relayrl.launch import (
 from relayrl.observability.metrics import MetricsLog, RunTally, say
 from relayrl.recovery import DEATHS, Recovery, alive
 
+if TYPE_CHECKING:
+    from relayrl.pipeline import Stage
+
 
 class LLMWorkload:
     """Roles ``trainer`` (ranks), ``generator``, ``rewarder``, and where configured
@@ -38,10 +42,19 @@ class LLMWorkload:
     order. The reference's weights are the trainer's version 0, saved in the run directory
     (``reference/``) once the warm start is done."""
 
-    def __init__(self, cfg: Config, make_env: Any = None):
+    def __init__(
+        self,
+        cfg: Config,
+        make_env: Any = None,
+        *,
+        stages: Sequence[Stage] = (),
+        rule: Callable[[str, str], float] | None = None,
+    ):
         if make_env is not None:
             raise ValueError("make_env is for workload=embodied; the LLM workload has no env")
         self.cfg = cfg
+        self.stage_specs = {stage.name: stage for stage in stages}
+        self.rule = rule
         replicas, lag = cfg.generator.replicas, cfg.generator.min_lag
         bound, knob = (lag, "generator.min_lag") if lag else (cfg.max_staleness, "max_staleness")
         if cfg.mode == "async" and replicas > bound + 1:
@@ -54,6 +67,7 @@ class LLMWorkload:
         self.trainer = Group("trainer", [])
         self.generators = Group("generator", [])
         self.rewarders = Group("rewarder", [])
+        self.custom = [Group(name, []) for name in self.stage_specs]
         self.reward_models = Group("reward_model", [])
         self.references = Group("reference", [])
         self.reference_path: str | None = None  # the reference's weights, once saved
@@ -83,10 +97,14 @@ class LLMWorkload:
         self.rewarders = Group(
             "rewarder",
             [
-                ray.remote(Rewarder).options(**at("rewarder", i)).remote(cfg)
+                ray.remote(Rewarder).options(**at("rewarder", i)).remote(cfg, self.rule)
                 for i in range(cfg.rewarder.replicas)
             ],
         )
+        self.custom = [
+            Group(name, [self._stage_actor(name, i) for i in range(spec.replicas)])
+            for name, spec in self.stage_specs.items()
+        ]
         if cfg.reward_model.path is not None:
             self.reward_models = Group(
                 "reward_model",
@@ -113,7 +131,9 @@ class LLMWorkload:
             replica = index + incarnation * cfg.generator.replicas
             return ray.remote(Generator).options(**at(role, index)).remote(cfg, replica=replica)
         if role == "rewarder":
-            return ray.remote(Rewarder).options(**at(role, index)).remote(cfg)
+            return ray.remote(Rewarder).options(**at(role, index)).remote(cfg, self.rule)
+        if role in self.stage_specs:
+            return self._stage_actor(role, index)
         if role == "reward_model":
             return ray.remote(RewardModel).options(**at(role, index)).remote(cfg)
         if role == "reference":
@@ -130,6 +150,8 @@ class LLMWorkload:
             "generator": (cfg.generator.replicas, cfg.generator.resources),
             "rewarder": (cfg.rewarder.replicas, cfg.rewarder.resources),
         }
+        for name, spec in self.stage_specs.items():
+            roles[name] = (spec.replicas, spec.resources)
         if cfg.reward_model.path is not None:
             roles["reward_model"] = (cfg.reward_model.replicas, cfg.reward_model.resources)
         if cfg.trainer.kl_coef > 0:
@@ -141,10 +163,16 @@ class LLMWorkload:
         return [self.trainer, self.generators, *self.scorers()]
 
     def scorers(self) -> list[Group]:
-        """The scoring stages in the order a batch passes them: rewarders, then reward models
-        and references where placed."""
+        """The scoring stages in the order a batch passes them: rewarders, the stages of your
+        own (``relayrl.pipeline.Stage``), then reward models and references where placed."""
         optional = [self.reward_models, self.references]
-        return [self.rewarders] + [group for group in optional if group.actors]
+        return [self.rewarders, *self.custom] + [group for group in optional if group.actors]
+
+    def _stage_actor(self, name: str, index: int) -> Any:
+        """Replica ``index`` of the stage of your own called ``name``, in its bundle."""
+        spec = self.stage_specs[name]
+        options = self.placement.options(name, index)
+        return ray.remote(spec.cls).options(**options).remote(self.cfg, *spec.args, **spec.kwargs)
 
     def traced(self) -> dict[str, Any]:
         """Executors that record spans, by name."""

@@ -1,0 +1,183 @@
+"""Pipelines composed in Python: the LLM pipeline with executors and rewards of your own.
+
+An LLM run is a pipeline of role groups: generator replicas sample completion groups, a chain of
+scoring stages scores each batch, and the trainer group learns from it and publishes its weights
+to the generators. The stages, in the order a batch passes them:
+
+1. the rewarder (its rule: ``rewarder.scorer``, or a ``rule`` function given here);
+2. the ``Stage`` executors given here, in order;
+3. the reward model, when ``reward_model.path`` is set;
+4. the reference policy, when ``trainer.kl_coef`` > 0.
+
+A script declares the extra parts and runs the pipeline under the same controller machinery as
+``relayrl train``: placement, the staleness gate, weight sync, tracing, failure recovery (a dead
+stage replica is replaced and its batch counted as lost), run checkpoints and the summary. The
+YAML workloads are this pipeline with nothing added: ``Pipeline(cfg).train(run_dir)`` is what
+``relayrl train`` runs for ``workload: llm``.
+
+::
+
+    from relayrl.pipeline import Pipeline, Stage, StageExecutor
+
+    class LengthPenalty(StageExecutor):
+        def __init__(self, cfg, per_token):
+            super().__init__(cfg)
+            self.per_token = per_token
+
+        def score(self, batch):
+            rewards = batch.rewards - self.per_token * batch.completion_len
+            return self.summary(batch), replace(batch, rewards=rewards.astype("float32"))
+
+    Pipeline("configs/arith.yaml", ["steps=100"],
+             stages=[Stage("length_penalty", LengthPenalty, kwargs={"per_token": 0.01})],
+    ).train("runs/mine")
+
+See docs/api.md and examples/.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from relayrl.config import Config, load_config
+from relayrl.observability.tracing import Span, Tracer
+from relayrl.types import RolloutBatch
+
+BUILT_IN_ROLES = ("trainer", "generator", "rewarder", "reward_model", "reference")
+
+
+class StageExecutor:
+    """Base class of a scoring stage of your own: implement ``score``.
+
+    It is constructed on its actor as ``cls(cfg, *args, **kwargs)`` with the run's ``Config``.
+    ``score`` takes a ``RolloutBatch`` (rewards already filled by the stages before it) and
+    returns ``(summary, batch)``: a dict with ``samples``, ``busy_s``, ``errors`` (samples it
+    could not score) and ``timeouts`` (``summary()`` makes one), and the batch the next stage
+    receives. The run's books count samples, so a stage changes rewards or adds fields, never
+    rows. Override ``state_dict``/``load_state_dict`` if it holds state a resumed run needs.
+    """
+
+    name = "stage"
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Wrap a subclass's ``score`` so every call is traced and its busy time measured."""
+        super().__init_subclass__(**kwargs)
+        inner = cls.__dict__.get("score")
+        if inner is None:
+            return
+
+        @functools.wraps(inner)
+        def score(self: StageExecutor, batch: RolloutBatch) -> tuple[dict, RolloutBatch]:
+            with self.tracer.span(self.name):
+                self._started = time.perf_counter()
+                return inner(self, batch)
+
+        cls.score = score
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.tracer = Tracer(self.name)
+        self._started = time.perf_counter()
+
+    def score(self, batch: RolloutBatch) -> tuple[dict[str, float], RolloutBatch]:
+        """Score ``batch``; see the class docstring."""
+        raise NotImplementedError(f"{type(self).__name__} must implement score(batch)")
+
+    def summary(self, batch: RolloutBatch, errors: int = 0, timeouts: int = 0) -> dict:
+        """The summary ``score`` returns for ``batch``; ``busy_s`` is the time since the last."""
+        now = time.perf_counter()
+        busy, self._started = now - self._started, now
+        return {"samples": len(batch), "busy_s": busy, "errors": errors, "timeouts": timeouts}
+
+    def stats(self) -> dict[str, float]:
+        """Counters for the run summary."""
+        return {"busy_s": self.tracer.busy_s()}
+
+    def trace(self) -> tuple[list[Span], list[Span]]:
+        """Busy spans and waits recorded so far."""
+        return self.tracer.spans, self.tracer.waits
+
+    def state_dict(self) -> dict:
+        """State a resumed run restores; none by default."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what ``state_dict`` saved."""
+
+
+@dataclass(frozen=True)
+class Stage:
+    """A scoring stage of your own: ``replicas`` actors of ``cls`` (a ``StageExecutor``), each
+    built as ``cls(cfg, *args, **kwargs)``, with the Ray ``resources`` each needs."""
+
+    name: str
+    cls: type
+    replicas: int = 1
+    resources: dict[str, float] = field(default_factory=dict)
+    args: tuple = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not re.fullmatch(r"[a-z][a-z0-9_]*", self.name) or self.name in BUILT_IN_ROLES:
+            raise ValueError(
+                f"Stage name={self.name!r}: use lowercase letters, digits and _, not one of the "
+                f"built-in roles {', '.join(BUILT_IN_ROLES)}"
+            )
+        if not (isinstance(self.cls, type) and issubclass(self.cls, StageExecutor)):
+            raise TypeError(
+                f"Stage {self.name!r}: cls={self.cls!r} must be a subclass of "
+                "relayrl.pipeline.StageExecutor"
+            )
+        if self.replicas < 1:
+            raise ValueError(f"Stage {self.name!r}: replicas={self.replicas} must be >= 1")
+
+
+class Pipeline:
+    """The LLM pipeline of a config, with ``stages`` and a ``rule`` reward of your own.
+
+    ``config`` is a ``Config``, or a YAML path (None: the defaults) that ``overrides``
+    (``a.b=value`` items) apply to. ``rule(completion, reference) -> float`` replaces the
+    rewarder's scorer; it runs in the rewarder's process, and one that raises scores 0 and is
+    counted, as the built-in scorers are. It must be picklable (a module-level function).
+    """
+
+    def __init__(
+        self,
+        config: Config | str | Path | None = None,
+        overrides: Sequence[str] = (),
+        *,
+        stages: Sequence[Stage] = (),
+        rule: Callable[[str, str], float] | None = None,
+    ) -> None:
+        if isinstance(config, Config):
+            cfg = config
+            if overrides:
+                raise ValueError("overrides apply to a YAML config; edit the Config instead")
+        else:
+            cfg = load_config(None if config is None else Path(config), list(overrides))
+        if cfg.workload != "llm":
+            raise ValueError(f"Pipeline is the LLM pipeline; workload={cfg.workload!r}")
+        names = [s.name for s in stages]
+        if len(set(names)) != len(names):
+            raise ValueError(f"stage names must be unique, got {names}")
+        self.cfg = cfg
+        self.stages = tuple(stages)
+        self.rule = rule
+
+    def workload(self) -> Any:
+        """The ``LLMWorkload`` that runs this pipeline."""
+        from relayrl.workloads.llm import LLMWorkload
+
+        return LLMWorkload(self.cfg, stages=self.stages, rule=self.rule)
+
+    def train(self, run_dir: str | Path, *, resume: bool = False) -> dict:
+        """Run the pipeline in ``run_dir`` (or resume it there); returns the run summary."""
+        from relayrl.job import train
+
+        return train(self.cfg, Path(run_dir), resume=resume, workload=self.workload())
