@@ -4,6 +4,7 @@ killed, and the trainer reports the KL to it every step."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 from conftest import tiny_config
@@ -11,6 +12,8 @@ from test_controller import SMALL
 from test_recovery import Kept, _kill_at
 
 from relayrl import job
+from relayrl.checkpoint import DIRECTORY, load_part
+from relayrl.pipeline import Pipeline, Stage, StageExecutor
 
 
 @pytest.mark.parametrize("mode", ["async", "sync"])
@@ -42,3 +45,44 @@ def test_the_kl_to_the_reference_starts_at_zero_grows_and_survives_a_dead_refere
     assert sorted(kl) == list(range(1, 9))  # every step, the replacement's included
     assert abs(kl[1]) < 1e-5  # version 0 is the reference
     assert kl[8] > 1e-4  # the policy moved away from it
+
+
+def test_a_resumed_run_reloads_the_reference_and_the_stages_state(ray_session, tmp_path):
+    """A run with the KL term and a stage of its own, stopped after its step-2 checkpoint and
+    resumed in another directory: the reference weights come from that directory's copy and the
+    stage's counter goes on from the checkpoint's."""
+    cfg = tiny_config(
+        *SMALL, "mode=sync", "steps=5", "run.checkpoint_every=2", "trainer.kl_coef=0.1"
+    )
+    pipeline = Pipeline(cfg, stages=[Stage("counter", Counter)])
+    pipeline.train(tmp_path / "whole")
+    whole = tmp_path / "whole"
+    moved = tmp_path / "moved"
+    shutil.copytree(whole, moved)
+    shutil.rmtree(moved / DIRECTORY / "step-00000004")
+    shutil.rmtree(whole / "reference")  # only the moved copy can serve it now
+    resumed = pipeline.train(moved, resume=True)
+    assert resumed["resumes"][0]["step"] == 2 and resumed["samples"]["accounted"]
+    last = moved / DIRECTORY / "step-00000004"
+    assert load_part(last, "counter")["seen"] == 4 * 16  # 2 steps before the stop, 2 after
+    assert load_part(last, "reference")["path"] == str(moved / "reference")
+
+
+class Counter(StageExecutor):
+    """Counts the samples it saw; its count is its state."""
+
+    name = "counter"
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.seen = 0
+
+    def score(self, batch):
+        self.seen += len(batch)
+        return self.summary(batch), batch
+
+    def state_dict(self):
+        return {"seen": self.seen}
+
+    def load_state_dict(self, state):
+        self.seen = state["seen"]

@@ -52,6 +52,7 @@ def train(
     run_dir.mkdir(parents=True, exist_ok=True)
     if workload is None:
         workload = WORKLOADS[cfg.workload](cfg, make_env)
+    workload.run_dir = run_dir
     tally = RunTally(
         cfg.steps, cfg.log.progress, EssWatch(cfg.log.ess_warn_below, cfg.log.ess_warn_steps)
     )

@@ -39,11 +39,14 @@ from __future__ import annotations
 
 import functools
 import re
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from ray import cloudpickle
 
 from relayrl.config import Config, load_config
 from relayrl.observability.tracing import Span, Tracer
@@ -138,13 +141,24 @@ class Stage:
             raise ValueError(f"Stage {self.name!r}: replicas={self.replicas} must be >= 1")
 
 
+def _ship_by_value(code: Any) -> None:
+    """Let Ray's workers load ``code`` (a stage class, a rule function) whatever module defines
+    it: a module of the user's, which the workers could not import, is pickled by value."""
+    module = getattr(code, "__module__", None)
+    if module is None or module == "__main__" or module.split(".")[0] == "relayrl":
+        return  # __main__ is pickled by value anyway; relayrl is installed everywhere
+    if module in sys.modules:
+        cloudpickle.register_pickle_by_value(sys.modules[module])
+
+
 class Pipeline:
     """The LLM pipeline of a config, with ``stages`` and a ``rule`` reward of your own.
 
     ``config`` is a ``Config``, or a YAML path (None: the defaults) that ``overrides``
     (``a.b=value`` items) apply to. ``rule(completion, reference) -> float`` replaces the
     rewarder's scorer; it runs in the rewarder's process, and one that raises scores 0 and is
-    counted, as the built-in scorers are. It must be picklable (a module-level function).
+    counted, as the built-in scorers are. Stage classes and the rule may live in any module of
+    yours: one Ray's workers cannot import (a script's folder, a test file) is shipped by value.
     """
 
     def __init__(
@@ -169,6 +183,8 @@ class Pipeline:
         self.cfg = cfg
         self.stages = tuple(stages)
         self.rule = rule
+        for code in [*(stage.cls for stage in self.stages), rule]:
+            _ship_by_value(code)
 
     def workload(self) -> Any:
         """The ``LLMWorkload`` that runs this pipeline."""

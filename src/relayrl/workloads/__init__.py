@@ -24,6 +24,7 @@ class Workload(Protocol):
     placement: Any  # the run's Placement once placed, else None
     legend: dict[str, str]  # learning-curve labels
     recovery: Any  # the run's relayrl.recovery.Recovery once weight sync is connected, else None
+    run_dir: Any  # the run directory (a Path), set by relayrl.job.train before place()
 
     def place(self) -> None:
         """Create every role's actors."""

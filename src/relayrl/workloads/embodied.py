@@ -67,6 +67,7 @@ class EmbodiedWorkload:
         self.stepped: dict[int, int] = {}  # worker id -> env steps as of its last lockstep step
         self.worker_ids: list[int] = []
         self.recovery: Recovery | None = None  # set once weight sync is connected
+        self.run_dir = None  # set by relayrl.job.train
         self.evaluators = Group("evaluator", [])
         greedy = "greedy" if cfg.env.eval_greedy else "sampled"
         self.legend = {"eval_label": f"evaluation success ({greedy})"}

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import ray
@@ -71,6 +72,7 @@ class LLMWorkload:
         self.reward_models = Group("reward_model", [])
         self.references = Group("reference", [])
         self.reference_path: str | None = None  # the reference's weights, once saved
+        self.run_dir: Path | None = None  # set by relayrl.job.train
         self.legend: dict[str, str] = {}  # learning-curve labels: the plot's defaults
         self.recovery: Recovery | None = None  # set once weight sync is connected
 
@@ -168,6 +170,12 @@ class LLMWorkload:
         optional = [self.reward_models, self.references]
         return [self.rewarders, *self.custom] + [group for group in optional if group.actors]
 
+    def _reference_dir(self) -> Path:
+        """Where the reference's weights live: ``reference/`` in the run directory."""
+        if self.run_dir is None:
+            raise RuntimeError("the workload has no run_dir: relayrl.job.train sets it")
+        return Path(self.run_dir) / "reference"
+
     def _stage_actor(self, name: str, index: int) -> Any:
         """Replica ``index`` of the stage of your own called ``name``, in its bundle."""
         spec = self.stage_specs[name]
@@ -196,16 +204,18 @@ class LLMWorkload:
     def restore(self, parts: dict[str, Any]) -> None:
         """Load what ``snapshot`` saved into the generators and scoring stages (the references
         reload the weights saved in the run directory)."""
+        if self.references.actors:  # from this run directory's copy, wherever it was written
+            self.reference_path = str(self._reference_dir())
+            for name in self.references.names:
+                parts[name] = parts[name] | {"path": self.reference_path}
         restore([self.generators, *self.scorers()], parts)
-        if self.references.actors:
-            self.reference_path = parts[self.references.names[0]]["path"]
 
     def prepare(self, log: MetricsLog) -> dict:
         """Warm start (publishing version 0 to every replica), give the references version 0,
         then evaluate held-out."""
         warm = self._warm_start()
         if self.references.actors:
-            self.reference_path = str(log.run_dir / "reference")
+            self.reference_path = str(self._reference_dir())
             ray.get([rank.save_pretrained.remote(self.reference_path) for rank in self.trainer])
             ray.get([r.load.remote(self.reference_path) for r in self.references])
         say("evaluating held-out before RL")
