@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from relayrl.config import Config, load_config
+from relayrl.types import RolloutBatch
 
 QUIET = ["log.progress=false", "log.tensorboard=false"]
 TINY = [
@@ -22,6 +24,29 @@ TINY = [
 def shm_files() -> set[str]:
     """The weight-sync shared-memory files present now."""
     return {p.name for p in Path("/dev/shm").glob("relayrl-sync-*")}
+
+
+def text_batch(tokenizer, completions: list[str], answers: list[str], finished: list[bool]):
+    """One group: prompt "1+2=" then each completion, with EOS where it ``finished``."""
+    prompt = tokenizer("1+2=", add_special_tokens=False)["input_ids"]
+    rows = [tokenizer(c, add_special_tokens=False)["input_ids"] for c in completions]
+    rows = [r + [tokenizer.eos_token_id] * done for r, done in zip(rows, finished, strict=True)]
+    width = len(prompt) + max(len(r) for r in rows)
+    tokens = np.zeros((len(rows), width), dtype=np.int64)
+    versions = np.full((len(rows), width), -1)
+    for i, row in enumerate(rows):
+        tokens[i, : len(prompt) + len(row)] = prompt + row
+        versions[i, len(prompt) : len(prompt) + len(row)] = 0
+    return RolloutBatch(
+        tokens=tokens,
+        prompt_len=np.full(len(rows), len(prompt)),
+        completion_len=np.array([len(r) for r in rows]),
+        logprobs=np.zeros((len(rows), width), dtype=np.float32),
+        versions=versions,
+        finished=np.array(finished),
+        group_size=len(rows),
+        answers=answers,
+    )
 
 
 def tiny_config(*overrides: str) -> Config:

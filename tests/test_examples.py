@@ -7,14 +7,12 @@ import runpy
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
-from conftest import TINY, tiny_config
+from conftest import TINY, text_batch, tiny_config
 from test_controller import SMALL
 
 from relayrl.executors.rewarder import Rewarder
 from relayrl.models.lm import load_tokenizer
-from relayrl.types import RolloutBatch
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 FAST = [*SMALL, *TINY, "steps=3", "mode=async"]
@@ -51,36 +49,11 @@ def test_a_rule_of_your_own_scores_in_the_rewarder_and_a_raising_one_is_counted(
     rule = runpy.run_path(str(EXAMPLES / "custom_rule.py"))["partial_credit"]
     cfg = tiny_config()
     tokenizer = load_tokenizer(cfg.model.tokenizer_source)
-    batch = _texts(tokenizer, ["579", "570", "1"], ["579"] * 3, [True, True, False])
+    batch = text_batch(tokenizer, ["579", "570", "1"], ["579"] * 3, [True, True, False])
     _, scored = Rewarder(cfg, rule).score(batch)
     assert scored.rewards.tolist() == pytest.approx([1.0, 2 / 3, 0.0])  # unfinished scores 0
     summary, _ = Rewarder(cfg, _raising).score(batch)
     assert summary["errors"] == 2
-
-
-def _texts(tokenizer, completions: list[str], answers: list[str], finished: list[bool]):
-    """One group: prompt "1+2=" then each completion (and EOS where finished)."""
-    prompt = tokenizer("1+2=", add_special_tokens=False)["input_ids"]
-    rows = [tokenizer(c, add_special_tokens=False)["input_ids"] for c in completions]
-    rows = [
-        r + [tokenizer.eos_token_id] if done else r for r, done in zip(rows, finished, strict=True)
-    ]
-    width = len(prompt) + max(len(r) for r in rows)
-    tokens = np.zeros((len(rows), width), dtype=np.int64)
-    versions = np.full((len(rows), width), -1)
-    for i, row in enumerate(rows):
-        tokens[i, : len(prompt) + len(row)] = prompt + row
-        versions[i, len(prompt) : len(prompt) + len(row)] = 0
-    return RolloutBatch(
-        tokens=tokens,
-        prompt_len=np.full(len(rows), len(prompt)),
-        completion_len=np.array([len(r) for r in rows]),
-        logprobs=np.zeros((len(rows), width), dtype=np.float32),
-        versions=versions,
-        finished=np.array(finished),
-        group_size=len(rows),
-        answers=answers,
-    )
 
 
 def _raising(completion: str, reference: str) -> float:

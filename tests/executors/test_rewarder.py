@@ -7,43 +7,16 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
-from conftest import tiny_config
+from conftest import text_batch, tiny_config
 
 from relayrl.executors.rewarder import Rewarder
 from relayrl.models.lm import load_tokenizer
-from relayrl.types import RolloutBatch
-
-
-def _batch(tokenizer, completions: list[str], answers: list[str], finished: list[bool]):
-    """One group: prompt "1+2=" then each completion followed by EOS."""
-    prompt = tokenizer("1+2=", add_special_tokens=False)["input_ids"]
-    rows = [
-        tokenizer(c, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        for c in completions
-    ]
-    width = len(prompt) + max(len(r) for r in rows)
-    tokens = np.zeros((len(rows), width), dtype=np.int64)
-    versions = np.full((len(rows), width), -1)
-    for i, row in enumerate(rows):
-        tokens[i, : len(prompt) + len(row)] = prompt + row
-        versions[i, len(prompt) : len(prompt) + len(row)] = 0
-    return RolloutBatch(
-        tokens=tokens,
-        prompt_len=np.full(len(rows), len(prompt)),
-        completion_len=np.array([len(r) for r in rows]),
-        logprobs=np.zeros((len(rows), width), dtype=np.float32),
-        versions=versions,
-        finished=np.array(finished),
-        group_size=len(rows),
-        answers=answers,
-    )
 
 
 def test_exact_answer_scores_decoded_completions_and_zero_without_eos():
     cfg = tiny_config()
     rewarder = Rewarder(cfg)
-    batch = _batch(
+    batch = text_batch(
         load_tokenizer(cfg.model.tokenizer_source),
         ["975", "976", "975"],
         ["975"] * 3,
@@ -70,7 +43,9 @@ def test_math_scorer_runs_sandboxed_and_counts_timeouts():
             "\\boxed{3}",
             "\\boxed{9^{9^{9^{9^{9}}}}}",  # an exponent tower: must time out, not hang the run
         ]
-        batch = _batch(load_tokenizer("builtin:byte"), completions, ["\\frac12"] * 4, [True] * 4)
+        batch = text_batch(
+            load_tokenizer("builtin:byte"), completions, ["\\frac12"] * 4, [True] * 4
+        )
         summary, scored = rewarder.score(batch)
         assert scored.completions[0] == completions[0]  # bytes round-trip through the tokenizer
         assert scored.rewards.tolist() == [1.0, 1.0, 0.0, 0.0]
@@ -85,7 +60,7 @@ def test_an_exact_answer_scorer_that_raises_is_counted_and_scores_zero():
     rewarder = Rewarder(cfg)
     # A reference that is not a string (a dataset row with a numeric answer) makes the scorer
     # raise in this process; the other samples are scored as usual.
-    batch = _batch(
+    batch = text_batch(
         load_tokenizer(cfg.model.tokenizer_source), ["975", "975"], ["975", 975], [True] * 2
     )
     summary, scored = rewarder.score(batch)
@@ -101,7 +76,9 @@ def test_a_math_scorer_that_raises_in_the_pool_is_counted_and_scores_zero():
         # The same non-string reference makes rewards.math raise inside the worker, which reports
         # the error and is replaced; the next sample is scored by the new worker.
         completions = ["\\boxed{975}", "\\boxed{975}", "\\boxed{975}"]
-        batch = _batch(load_tokenizer("builtin:byte"), completions, ["975", 975, "975"], [True] * 3)
+        batch = text_batch(
+            load_tokenizer("builtin:byte"), completions, ["975", 975, "975"], [True] * 3
+        )
         summary, scored = rewarder.score(batch)
         assert scored.rewards.tolist() == [1.0, 0.0, 1.0]
         assert summary["errors"] == 1 and summary["timeouts"] == 0
