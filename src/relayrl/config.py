@@ -248,6 +248,9 @@ class RewardModelConfig(_Section):
     max_length: int = Field(
         512, ge=8, description="Longest (prompt, completion) pair in tokens; longer are cut."
     )
+    dtype: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32", description="Dtype the reward model's weights are loaded and run in."
+    )
     replicas: int = Field(1, ge=1, description="Reward-model replicas.")
     resources: dict[str, float] = _resources("reward_model")
 
@@ -267,6 +270,9 @@ class ReferenceConfig(_Section):
         ge=1,
         description="Reference replicas; each scores the log-probs of the completions under the "
         "policy as it was when RL started (after the warm start).",
+    )
+    dtype: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32", description="Dtype the reference's weights are loaded and run in."
     )
     resources: dict[str, float] = _resources("reference")
 
@@ -296,6 +302,11 @@ class TrainerConfig(_Section):
     lr_final_ratio: float = Field(0.1, ge=0, le=1, description="Final lr as a fraction of lr.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     grad_clip: float = Field(1.0, gt=0, description="Global gradient-norm clip.")
+    precision: Literal["fp32", "bf16"] = Field(
+        "fp32",
+        description="LLM policy forward (RL and warm start): fp32, or bf16 autocast (matmuls in "
+        "bf16, weights, gradients and optimizer state still fp32).",
+    )
     gradient_checkpointing: bool = Field(
         False,
         description="Recompute the policy's activations in the backward pass instead of "
@@ -655,6 +666,7 @@ NOT_FOR: dict[str, tuple[str, ...]] = {
         "trainer.skip_zero_signal",
         "trainer.ess_lr",
         "trainer.gradient_checkpointing",
+        "trainer.precision",
         "trainer.kl_coef",
         "trainer.kl_estimator",
         "trainer.kl_in",

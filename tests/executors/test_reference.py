@@ -85,3 +85,16 @@ def test_a_batch_without_reference_log_probs_is_refused_when_the_kl_term_is_on()
     cfg = tiny_config("trainer.kl_coef=0.1")
     with pytest.raises(ValueError, match="no ref_logprobs"):
         Trainer(cfg).train_step(_sampled(cfg))
+
+
+def test_a_bf16_reference_scores_nearly_the_fp32_log_probs(tmp_path):
+    cfg = tiny_config("trainer.kl_coef=0.1")
+    Trainer(cfg).save_pretrained(str(tmp_path))
+    batch = _sampled(cfg)
+    scored = {}
+    for dtype in ("fp32", "bf16"):
+        reference = Reference(tiny_config("trainer.kl_coef=0.1", f"reference.dtype={dtype}"))
+        reference.load(str(tmp_path))
+        scored[dtype] = reference.score(batch)[1].ref_logprobs[batch.completion_mask]
+    gap = np.abs(scored["fp32"] - scored["bf16"])
+    assert 0 < gap.max() < 0.1

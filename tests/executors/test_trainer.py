@@ -323,3 +323,18 @@ def test_the_run_tally_logs_the_total_of_skipped_steps():
     tally.close()
     assert [out["loss/skipped_nonfinite"] for out in logged] == [0.0, 1.0, 1.0]
     assert tally.skipped_nonfinite == 1 and tally.updates == 2 and tally.steps == 3
+
+
+def test_a_bf16_trainer_keeps_fp32_weights_and_takes_nearly_the_fp32_step():
+    full = Trainer(tiny_config("trainer.lr=0.01"))
+    half = Trainer(tiny_config("trainer.lr=0.01", "trainer.precision=bf16"))
+    before = _params(full)
+    one = full.train_step(_batch([0, 0]))
+    two = half.train_step(_batch([0, 0]))
+    assert all(p.dtype == torch.float32 for p in half.model.parameters())
+    assert one.metrics["loss/value"] != two.metrics["loss/value"]  # the matmuls ran in bf16
+    deltas = [
+        torch.cat([(a - b).flatten() for a, b in zip(_params(t), before, strict=True)])
+        for t in (full, half)
+    ]
+    assert torch.nn.functional.cosine_similarity(*deltas, dim=0) > 0.9

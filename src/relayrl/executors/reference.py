@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM
 
 from relayrl.algorithms.kl import sequence_kl
 from relayrl.config import Config
-from relayrl.models.lm import token_logprobs
+from relayrl.models.lm import DTYPES, token_logprobs
 from relayrl.observability.tracing import Span, Tracer
 from relayrl.types import RolloutBatch
 
@@ -42,7 +42,8 @@ class Reference:
 
     def load(self, path: str) -> None:
         """Load the reference weights from a Hugging Face checkpoint directory."""
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        dtype = DTYPES[self.cfg.reference.dtype]
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
         self.path = path
 
     def score(self, batch: RolloutBatch) -> tuple[dict[str, float], RolloutBatch]:

@@ -18,7 +18,7 @@ import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from relayrl.config import Config
-from relayrl.models.lm import load_tokenizer
+from relayrl.models.lm import DTYPES, load_tokenizer
 from relayrl.observability.tracing import Span, Tracer
 from relayrl.types import RolloutBatch
 
@@ -37,7 +37,7 @@ class RewardModel:
         self.policy_tokenizer = load_tokenizer(cfg.model.tokenizer_source)
         self.tokenizer = AutoTokenizer.from_pretrained(rc.path)
         self.model = AutoModelForSequenceClassification.from_pretrained(
-            rc.path, dtype=torch.float32
+            rc.path, dtype=DTYPES[rc.dtype]
         ).eval()
         if self.model.config.num_labels != 1:
             raise ValueError(

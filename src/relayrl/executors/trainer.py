@@ -34,7 +34,7 @@ from relayrl.algorithms.losses import BATCH_STATISTICS
 from relayrl.config import Config
 from relayrl.envs import build_task
 from relayrl.executors.trainer_core import TrainerCore
-from relayrl.models.lm import build_policy, load_codec, token_logprobs
+from relayrl.models.lm import autocast, build_policy, load_codec, token_logprobs
 from relayrl.types import RolloutBatch, StepResult
 
 
@@ -73,7 +73,8 @@ class Trainer(TrainerCore):
             targets = loss_mask[:, 1:]
             own, filler = self._own(len(rows))
             weights = torch.zeros_like(targets[own]) if filler else targets[own]
-            output = self.model(input_ids=tokens[own], attention_mask=attention[own])
+            with autocast(self.model, self.cfg.trainer.precision):
+                output = self.model(input_ids=tokens[own], attention_mask=attention[own])
             nll = torch.nn.functional.cross_entropy(
                 output.logits[:, :-1].transpose(1, 2), tokens[own, 1:], reduction="none"
             )
@@ -191,12 +192,13 @@ class Trainer(TrainerCore):
         own, filler = self._own(len(batch) // batch.group_size)
         batch = batch.select(_group_rows(own, batch))
         advantages = self.advantage_fn(torch.from_numpy(batch.rewards), batch.group_size)
-        logp = token_logprobs(
-            self.model,
-            torch.from_numpy(batch.tokens),
-            torch.from_numpy(batch.prompt_len + batch.completion_len),
-            self.cfg.generator.temperature,
-        )
+        with autocast(self.model, tc.precision):
+            logp = token_logprobs(
+                self.model,
+                torch.from_numpy(batch.tokens),
+                torch.from_numpy(batch.prompt_len + batch.completion_len),
+                self.cfg.generator.temperature,
+            )
         mask = torch.from_numpy(batch.completion_mask[:, 1:])
         if filler:  # an all-false mask: a zero loss, still connected to every parameter
             mask = torch.zeros_like(mask)

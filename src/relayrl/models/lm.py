@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
@@ -186,3 +187,15 @@ def token_logprobs(
     logits = model(input_ids=tokens, attention_mask=attention).logits[:, :-1]
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)
     return logp.gather(-1, tokens[:, 1:, None]).squeeze(-1)
+
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def autocast(model: PreTrainedModel, precision: str) -> contextlib.AbstractContextManager:
+    """A context running ``model``'s forward in ``precision``: bf16 autocast on its device, or
+    nothing for fp32."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    device = next(model.parameters()).device.type
+    return torch.autocast(device, dtype=DTYPES[precision])
