@@ -39,7 +39,7 @@ def test_the_kl_to_the_reference_starts_at_zero_grows_and_survives_a_dead_refere
     assert summary["status"] == "finished" and summary["steps"] == 8
     assert [f["name"] for f in summary["failures"]["reference"]] == ["reference"]
     assert summary["samples"]["accounted"]
-    assert (run_dir / "reference" / "model.safetensors").is_file()
+    assert (run_dir / "start_policy" / "model.safetensors").is_file()
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
     kl = {r["step"]: r["loss/kl_ref"] for r in records if "loss/kl_ref" in r}
     assert sorted(kl) == list(range(1, 9))  # every step, the replacement's included
@@ -60,12 +60,12 @@ def test_a_resumed_run_reloads_the_reference_and_the_stages_state(ray_session, t
     moved = tmp_path / "moved"
     shutil.copytree(whole, moved)
     shutil.rmtree(moved / DIRECTORY / "step-00000004")
-    shutil.rmtree(whole / "reference")  # only the moved copy can serve it now
+    shutil.rmtree(whole / "start_policy")  # only the moved copy can serve it now
     resumed = pipeline.train(moved, resume=True)
     assert resumed["resumes"][0]["step"] == 2 and resumed["samples"]["accounted"]
     last = moved / DIRECTORY / "step-00000004"
     assert load_part(last, "counter")["seen"] == 4 * 16  # 2 steps before the stop, 2 after
-    assert load_part(last, "reference")["path"] == str(moved / "reference")
+    assert load_part(last, "reference")["path"] == str(moved / "start_policy")
 
 
 class Counter(StageExecutor):

@@ -262,6 +262,16 @@ class RewardModelConfig(_Section):
         return value
 
 
+class CriticConfig(_Section):
+    """The value model of PPO with GAE on tokens; placed when trainer.advantage = gae (LLM)."""
+
+    lr: float = Field(1e-4, gt=0, description="AdamW learning rate of the value model.")
+    epochs: int = Field(1, ge=1, description="Value-regression passes over each batch.")
+    gamma: float = Field(1.0, ge=0, le=1, description="GAE discount over completion tokens.")
+    lam: float = Field(0.95, ge=0, le=1, description="GAE lambda over completion tokens.")
+    resources: dict[str, float] = _resources("critic")
+
+
 class ReferenceConfig(_Section):
     """The frozen reference policy of the KL term; placed only when trainer.kl_coef > 0."""
 
@@ -294,7 +304,13 @@ class TrainerConfig(_Section):
         description="Loss name: " + ", ".join(sorted(LOSSES)) + "; workload=embodied defaults "
         "to gipo.",
     )
-    advantage: str = Field("grpo", description="Advantage: " + ", ".join(sorted(ADVANTAGES)) + ".")
+    advantage: str = Field(
+        "grpo",
+        description="Advantage: "
+        + ", ".join(sorted(ADVANTAGES))
+        + " (per group of completions), or gae: PPO's, per token, from the critic's values "
+        "(places the critic role).",
+    )
     lr: float = Field(3e-4, gt=0, description="AdamW learning rate.")
     lr_schedule: Literal["constant", "cosine"] = Field(
         "cosine", description="cosine: decay from lr to lr * lr_final_ratio over the RL steps."
@@ -394,8 +410,9 @@ class TrainerConfig(_Section):
     @field_validator("advantage")
     @classmethod
     def _known_advantage(cls, value: str) -> str:
-        if value not in ADVANTAGES:
-            raise ValueError(f"unknown advantage; allowed: {', '.join(sorted(ADVANTAGES))}")
+        if value not in ADVANTAGES and value != "gae":
+            allowed = ", ".join([*sorted(ADVANTAGES), "gae"])
+            raise ValueError(f"unknown advantage; allowed: {allowed}")
         return value
 
 
@@ -672,6 +689,7 @@ NOT_FOR: dict[str, tuple[str, ...]] = {
         "trainer.kl_in",
         "reward_model",
         "reference",
+        "critic",
         "sync.precision",
     ),
 }
@@ -710,6 +728,7 @@ class Config(_Section):
     rewarder: RewarderConfig = RewarderConfig()
     reward_model: RewardModelConfig = RewardModelConfig()
     reference: ReferenceConfig = ReferenceConfig()
+    critic: CriticConfig = CriticConfig()
     trainer: TrainerConfig = TrainerConfig()
     channels: ChannelsConfig = ChannelsConfig()
     sync: SyncConfig = SyncConfig()

@@ -7,7 +7,8 @@ to the generators. The stages, in the order a batch passes them:
 1. the rewarder (its rule: ``rewarder.scorer``, or a ``rule`` function given here);
 2. the ``Stage`` executors given here, in order;
 3. the reward model, when ``reward_model.path`` is set;
-4. the reference policy, when ``trainer.kl_coef`` > 0.
+4. the reference policy, when ``trainer.kl_coef`` > 0;
+5. the critic, when ``trainer.advantage`` = gae.
 
 A script declares the extra parts and runs the pipeline under the same controller machinery as
 ``relayrl train``: placement, the staleness gate, weight sync, tracing, failure recovery (a dead
@@ -52,7 +53,7 @@ from relayrl.config import Config, load_config
 from relayrl.observability.tracing import Span, Tracer
 from relayrl.types import RolloutBatch
 
-BUILT_IN_ROLES = ("trainer", "generator", "rewarder", "reward_model", "reference")
+BUILT_IN_ROLES = ("trainer", "generator", "rewarder", "reward_model", "reference", "critic")
 
 
 class StageExecutor:

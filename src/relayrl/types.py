@@ -30,9 +30,9 @@ class RolloutBatch:
     rewards: np.ndarray | None = None  # [B] float32, filled by the rewarder
     score_errors: int = 0  # scorer calls that raised, filled by the rewarder
     ref_logprobs: np.ndarray | None = None  # [B, L] float32 like logprobs, by the reference
-    rule_rewards: np.ndarray | None = (
-        None  # [B] the rewarder's, kept as later stages change rewards
-    )
+    rule_rewards: np.ndarray | None = None  # [B] the rewarder's, kept as stages change rewards
+    token_advantages: np.ndarray | None = None  # [B, L] float32 like logprobs, by the critic
+    stage_metrics: dict[str, float] = field(default_factory=dict)  # scoring stages', to log
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -67,6 +67,7 @@ class RolloutBatch:
         scored = all(b.rewards is not None for b in batches)
         referenced = all(b.ref_logprobs is not None for b in batches)
         ruled = all(b.rule_rewards is not None for b in batches)
+        advantaged = all(b.token_advantages is not None for b in batches)
         return cls(
             tokens=stack("tokens", 0),
             prompt_len=np.concatenate([b.prompt_len for b in batches]),
@@ -81,6 +82,13 @@ class RolloutBatch:
             score_errors=sum(b.score_errors for b in batches),
             ref_logprobs=stack("ref_logprobs", 0.0) if referenced else None,
             rule_rewards=np.concatenate([b.rule_rewards for b in batches]) if ruled else None,
+            token_advantages=stack("token_advantages", 0.0) if advantaged else None,
+            stage_metrics={
+                key: float(
+                    np.mean([b.stage_metrics[key] for b in batches if key in b.stage_metrics])
+                )
+                for key in {k for b in batches for k in b.stage_metrics}
+            },
         )
 
     def select(self, keep: np.ndarray) -> RolloutBatch:
@@ -99,6 +107,7 @@ class RolloutBatch:
             rewards=None if self.rewards is None else self.rewards[rows],
             ref_logprobs=None if self.ref_logprobs is None else self.ref_logprobs[rows],
             rule_rewards=None if self.rule_rewards is None else self.rule_rewards[rows],
+            token_advantages=None if self.token_advantages is None else self.token_advantages[rows],
         )
 
 

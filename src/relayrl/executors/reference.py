@@ -1,12 +1,13 @@
 """Reference executor: the frozen policy of the KL term, scoring completions' log-probs.
 
 It holds the policy as it was when RL started (after the warm start): the workload saves the
-trainer's version-0 weights to the run directory and every replica ``load``s them, and a resumed
-run reloads them from there. ``score`` fills each completion token's log-probability under that
-policy (``ref_logprobs``, aligned with ``logprobs``), computed as the trainer computes log pi: the
-logits divided by the sampling temperature. The trainer turns them into the KL term (in the loss
-or in the reward, ``trainer.kl_in``); the summary's ``kl_mu_ref`` is the mean over completions of
-the summed estimate of KL(mu || ref), mu being the behaviour log-probs the generator recorded.
+trainer's version-0 weights to the run directory (``start_policy/``), every replica ``load``s
+them, and a resumed run reloads them from there. ``score`` fills each completion token's
+log-probability under that policy (``ref_logprobs``, aligned with ``logprobs``), computed as the
+trainer computes log pi: the logits divided by the sampling temperature. The trainer turns them
+into the KL term (in the loss or in the reward, ``trainer.kl_in``); the summary's ``kl_mu_ref`` is
+the mean over completions of the summed estimate of KL(mu || ref), mu being the behaviour
+log-probs the generator recorded.
 """
 
 from __future__ import annotations
@@ -81,7 +82,8 @@ class Reference:
             "kl_mu_ref": float(kl.mean()) if len(batch) else 0.0,
             "busy_s": time.perf_counter() - start,
         }
-        return summary, replace(batch, ref_logprobs=ref)
+        logged = batch.stage_metrics | {"reference/kl_mu_ref": summary["kl_mu_ref"]}
+        return summary, replace(batch, ref_logprobs=ref, stage_metrics=logged)
 
     def stats(self) -> dict[str, float]:
         """Counters for the run summary."""

@@ -70,7 +70,8 @@ class RewardModel:
             "score_mean": float(scores.mean()) if len(batch) else 0.0,
             "busy_s": time.perf_counter() - start,
         }
-        return summary, replace(batch, rewards=rewards)
+        logged = batch.stage_metrics | {"reward_model/score_mean": summary["score_mean"]}
+        return summary, replace(batch, rewards=rewards, stage_metrics=logged)
 
     @torch.no_grad()
     def scores(self, prompts: list[str], completions: list[str]) -> np.ndarray:

@@ -48,7 +48,7 @@ class Trainer(TrainerCore):
         if cfg.trainer.gradient_checkpointing:
             model.gradient_checkpointing_enable()
         super().__init__(cfg, model, rank=rank, world=world)
-        self.advantage_fn = ADVANTAGES[cfg.trainer.advantage]
+        self.advantage_fn = ADVANTAGES.get(cfg.trainer.advantage)  # None: gae, from the critic
         self._warm: tuple | None = None
 
     def warm_start(self, steps: int) -> dict[str, float]:
@@ -178,20 +178,22 @@ class Trainer(TrainerCore):
             "rollout/score_errors": float(batch.score_errors),
             "staleness/mean": float(lag.mean()),
             "staleness/max": float(lag.max()),
-        }
+        } | batch.stage_metrics  # what the scoring stages measured of this batch
         all_tokens = int(batch.completion_len.sum())
         if tc.kl_coef > 0 and tc.kl_in == "reward":
             metrics["rollout/kl_penalty"] = float(penalty.mean())
         # Zero-advantage groups carry no policy gradient, but a batch statistic and the KL term
         # count their tokens.
-        if tc.skip_zero_signal and tc.loss not in BATCH_STATISTICS and not kl_in_loss:
+        # Under GAE a group of equal rewards still has advantages (the values differ).
+        per_token = tc.advantage == "gae"
+        keeps_all = tc.loss in BATCH_STATISTICS or kl_in_loss or per_token
+        if tc.skip_zero_signal and not keeps_all:
             batch = batch.select(~zero_signal.numpy())
         if len(batch) == 0:
             return metrics, False
         trainable_tokens = int(batch.completion_len.sum())
         own, filler = self._own(len(batch) // batch.group_size)
         batch = batch.select(_group_rows(own, batch))
-        advantages = self.advantage_fn(torch.from_numpy(batch.rewards), batch.group_size)
         with autocast(self.model, tc.precision):
             logp = token_logprobs(
                 self.model,
@@ -203,7 +205,11 @@ class Trainer(TrainerCore):
         if filler:  # an all-false mask: a zero loss, still connected to every parameter
             mask = torch.zeros_like(mask)
         mu = torch.from_numpy(batch.logprobs[:, 1:])
-        token_adv = advantages[:, None].expand_as(logp)
+        if per_token:
+            token_adv = torch.from_numpy(_critics(batch)[:, 1:])
+        else:
+            advantages = self.advantage_fn(torch.from_numpy(batch.rewards), batch.group_size)
+            token_adv = advantages[:, None].expand_as(logp)
         options = self.loss_options(logp, mu, mask)
         loss, loss_stats = self.loss_fn(logp, mu, token_adv, mask, **options)
         # The losses take a token mean over the tokens they see. The batch's token mean is over
@@ -246,6 +252,16 @@ class Trainer(TrainerCore):
             self.model.save_pretrained(path, state_dict=state, safe_serialization=True)
             self.tokenizer.save_pretrained(path)
         return str(Path(path))
+
+
+def _critics(batch: RolloutBatch) -> np.ndarray:
+    """The batch's per-token advantages; a batch that did not pass the critic is refused."""
+    if batch.token_advantages is None:
+        raise ValueError(
+            "trainer.advantage=gae but the batch has no token_advantages: it did not pass the "
+            "critic stage"
+        )
+    return batch.token_advantages
 
 
 def _reference(batch: RolloutBatch) -> np.ndarray:

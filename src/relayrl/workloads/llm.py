@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import ray
 
 from relayrl.config import Config
+from relayrl.executors.critic import Critic
 from relayrl.executors.generator import Generator
 from relayrl.executors.reference import Reference
 from relayrl.executors.reward_model import RewardModel
@@ -35,13 +36,13 @@ if TYPE_CHECKING:
 
 class LLMWorkload:
     """Roles ``trainer`` (ranks), ``generator``, ``rewarder``, and where configured
-    ``reward_model`` (``reward_model.path`` set) and ``reference`` (``trainer.kl_coef`` > 0), all
-    replicas but the trainer.
+    ``reward_model`` (``reward_model.path`` set), ``reference`` (``trainer.kl_coef`` > 0) and
+    ``critic`` (``trainer.advantage`` = gae, one actor), all replicas but the trainer.
 
     The scoring stages (``scorers``) are role groups whose ``score`` takes the batch(es) the stage
     before returned and returns ``(summary, batch)``; the loops pass every batch through them in
     order. The reference's weights are the trainer's version 0, saved in the run directory
-    (``reference/``) once the warm start is done."""
+    (``start_policy/``) once the warm start is done; so does the critic's backbone."""
 
     def __init__(
         self,
@@ -71,7 +72,8 @@ class LLMWorkload:
         self.custom = [Group(name, []) for name in self.stage_specs]
         self.reward_models = Group("reward_model", [])
         self.references = Group("reference", [])
-        self.reference_path: str | None = None  # the reference's weights, once saved
+        self.critics = Group("critic", [])
+        self.start_path: str | None = None  # the policy as RL started, once saved
         self.run_dir: Path | None = None  # set by relayrl.job.train
         self.legend: dict[str, str] = {}  # learning-curve labels: the plot's defaults
         self.recovery: Recovery | None = None  # set once weight sync is connected
@@ -123,6 +125,10 @@ class LLMWorkload:
                     for i in range(cfg.reference.replicas)
                 ],
             )
+        if cfg.trainer.advantage == "gae":  # one: it learns, and two would learn apart
+            self.critics = Group(
+                "critic", [ray.remote(Critic).options(**at("critic", 0)).remote(cfg)]
+            )
         form_trainer_group(self.trainer)
 
     def recreate(self, role: str, index: int, incarnation: int) -> Any:
@@ -140,7 +146,11 @@ class LLMWorkload:
             return ray.remote(RewardModel).options(**at(role, index)).remote(cfg)
         if role == "reference":
             actor = ray.remote(Reference).options(**at(role, index)).remote(cfg)
-            actor.load.remote(self.reference_path)  # runs before any score call
+            actor.load.remote(self.start_path)  # runs before any score call
+            return actor
+        if role == "critic":  # starts again from the policy as RL started
+            actor = ray.remote(Critic).options(**at(role, index)).remote(cfg)
+            actor.load.remote(self.start_path)
             return actor
         raise ValueError(f"a {role} is not replaced: only generator and scoring-stage replicas are")
 
@@ -158,6 +168,8 @@ class LLMWorkload:
             roles["reward_model"] = (cfg.reward_model.replicas, cfg.reward_model.resources)
         if cfg.trainer.kl_coef > 0:
             roles["reference"] = (cfg.reference.replicas, cfg.reference.resources)
+        if cfg.trainer.advantage == "gae":
+            roles["critic"] = (1, cfg.critic.resources)
         return roles
 
     def groups(self) -> list[Group]:
@@ -166,15 +178,21 @@ class LLMWorkload:
 
     def scorers(self) -> list[Group]:
         """The scoring stages in the order a batch passes them: rewarders, the stages of your
-        own (``relayrl.pipeline.Stage``), then reward models and references where placed."""
-        optional = [self.reward_models, self.references]
+        own (``relayrl.pipeline.Stage``), then reward models, references and the critic where
+        placed (the critic last: its advantages come from the final rewards)."""
+        optional = [self.reward_models, self.references, self.critics]
         return [self.rewarders, *self.custom] + [group for group in optional if group.actors]
 
-    def _reference_dir(self) -> Path:
-        """Where the reference's weights live: ``reference/`` in the run directory."""
+    def _start_dir(self) -> Path:
+        """Where the policy as RL started lives, for the reference and the critic:
+        ``start_policy/`` in the run directory."""
         if self.run_dir is None:
             raise RuntimeError("the workload has no run_dir: relayrl.job.train sets it")
-        return Path(self.run_dir) / "reference"
+        return Path(self.run_dir) / "start_policy"
+
+    def _from_start(self) -> list[Group]:
+        """The placed groups that load the policy as RL started."""
+        return [group for group in (self.references, self.critics) if group.actors]
 
     def _stage_actor(self, name: str, index: int) -> Any:
         """Replica ``index`` of the stage of your own called ``name``, in its bundle."""
@@ -202,22 +220,23 @@ class LLMWorkload:
         return await snapshot([self.generators, *self.scorers()])
 
     def restore(self, parts: dict[str, Any]) -> None:
-        """Load what ``snapshot`` saved into the generators and scoring stages (the references
-        reload the weights saved in the run directory)."""
-        if self.references.actors:  # from this run directory's copy, wherever it was written
-            self.reference_path = str(self._reference_dir())
-            for name in self.references.names:
-                parts[name] = parts[name] | {"path": self.reference_path}
+        """Load what ``snapshot`` saved into the generators and scoring stages (the reference and
+        the critic reload the start policy from this run directory's copy, wherever the run was
+        written)."""
+        if self._from_start():
+            self.start_path = str(self._start_dir())
+            for name in [n for group in self._from_start() for n in group.names]:
+                parts[name] = parts[name] | {"path": self.start_path}
         restore([self.generators, *self.scorers()], parts)
 
     def prepare(self, log: MetricsLog) -> dict:
-        """Warm start (publishing version 0 to every replica), give the references version 0,
-        then evaluate held-out."""
+        """Warm start (publishing version 0 to every replica), give the reference and the critic
+        version 0 (saved to ``start_policy/``), then evaluate held-out."""
         warm = self._warm_start()
-        if self.references.actors:
-            self.reference_path = str(self._reference_dir())
-            ray.get([rank.save_pretrained.remote(self.reference_path) for rank in self.trainer])
-            ray.get([r.load.remote(self.reference_path) for r in self.references])
+        if self._from_start():
+            self.start_path = str(self._start_dir())
+            ray.get([rank.save_pretrained.remote(self.start_path) for rank in self.trainer])
+            ray.get([a.load.remote(self.start_path) for g in self._from_start() for a in g])
         say("evaluating held-out before RL")
         start = asyncio.run(self.evaluate())
         log.log(0, {**{f"eval/{k}": v for k, v in start.items()}, **warm})
