@@ -3,6 +3,7 @@ the supervised warm start that several benchmarks share between their runs."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -19,6 +20,7 @@ from relayrl.config import Config
 from relayrl.executors.generator import Generator
 from relayrl.executors.rewarder import Rewarder
 from relayrl.executors.trainer import Trainer
+from relayrl.job import train
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -114,3 +116,23 @@ def accuracy(generator: Generator, rewarder: Rewarder, split: str) -> float:
     """Greedy accuracy of the generator's model on a split, scored as in a relayrl run."""
     summary, _ = rewarder.score(generator.evaluate(split))
     return summary["reward_mean"]
+
+
+def train_from(cfg: Config, run_dir: Path) -> dict:
+    """Train one run (its summary to stderr, stdout kept for tables); its held-out curve, start
+    and end accuracy, mean trained reward, books and wall clock."""
+    with contextlib.redirect_stdout(sys.stderr):
+        summary = train(cfg, run_dir)
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+    curve = sorted({r["step"]: r["eval/accuracy"] for r in records if "eval/accuracy" in r}.items())
+    trained = [
+        r["rollout/trained_reward_mean"] for r in records if "rollout/trained_reward_mean" in r
+    ]
+    return {
+        "start_accuracy": summary["eval"]["start"]["accuracy"],
+        "final_accuracy": summary["eval"]["end"]["accuracy"],
+        "eval_curve": curve,
+        "trained_reward_mean": sum(trained) / len(trained) if trained else None,
+        "samples_accounted": summary["samples"]["accounted"],
+        "wall_clock_s": summary["wall_clock_s"],
+    }

@@ -28,7 +28,6 @@ machine, and prints a Markdown table. Checkpoints and run directories are tempor
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import random
@@ -42,12 +41,11 @@ import matplotlib
 import matplotlib.pyplot as plt
 import ray
 import torch
-from common import git_state, machine, relative, save_result, warm_start
+from common import git_state, machine, relative, save_result, train_from, warm_start
 from transformers import LlamaConfig, LlamaForSequenceClassification
 
 from relayrl.config import Config, load_config
 from relayrl.envs.arithmetic import AdditionTask
-from relayrl.job import train
 from relayrl.models.lm import load_tokenizer
 
 matplotlib.use("Agg")  # benchmark machines have no display
@@ -73,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
             for reward in ("rule", "reward_model"):
                 print(f"[{NAME}] RL with the {reward} reward", file=sys.stderr)
                 run_cfg = run_config(args, reward, tmp_dir)
-                runs[reward] = run_once(run_cfg, tmp_dir / reward)
+                runs[reward] = train_from(run_cfg, tmp_dir / reward)
         finally:
             ray.shutdown()
     result = {
@@ -235,25 +233,6 @@ def run_config(args: argparse.Namespace, reward: str, tmp_dir: Path) -> Config:
             *(by_model if reward == "reward_model" else []),
         ],
     )
-
-
-def run_once(cfg: Config, run_dir: Path) -> dict:
-    """Train one run; its held-out curve, start and end accuracy, and books."""
-    with contextlib.redirect_stdout(sys.stderr):  # train() prints its summary; keep stdout
-        summary = train(cfg, run_dir)
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
-    curve = sorted({r["step"]: r["eval/accuracy"] for r in records if "eval/accuracy" in r}.items())
-    trained = [
-        r["rollout/trained_reward_mean"] for r in records if "rollout/trained_reward_mean" in r
-    ]
-    return {
-        "start_accuracy": summary["eval"]["start"]["accuracy"],
-        "final_accuracy": summary["eval"]["end"]["accuracy"],
-        "eval_curve": curve,
-        "trained_reward_mean": sum(trained) / len(trained) if trained else None,
-        "samples_accounted": summary["samples"]["accounted"],
-        "wall_clock_s": summary["wall_clock_s"],
-    }
 
 
 def plot(result: dict, path: Path) -> Path:
