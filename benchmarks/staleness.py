@@ -80,6 +80,10 @@ HEALTH = ("kl_mu_pi", "log_ratio_p99", "log_ratio_max", "clip_frac", "grad_norm"
 def main(argv: list[str] | None = None) -> int:
     """Warm-start once, train every (loss, lag) pair from it, write JSON + plot, print tables."""
     args = parse_args(argv)
+    if args.from_json is not None:  # tables and plot again, from a finished run's JSON
+        result = json.loads(args.from_json.read_text())
+        save_result(args.out, NAME, result, plot, markdown_tables(result))
+        return 0
     runs = []
     with tempfile.TemporaryDirectory(prefix="relayrl-staleness-") as tmp:
         tmp_dir = Path(tmp)
@@ -177,6 +181,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=REPO / "benchmarks" / "results",
         help="folder for the JSON and PNG (benchmarks/results)",
     )
+    parser.add_argument(
+        "--from-json",
+        type=Path,
+        default=None,
+        help="write the plot and tables again from this staleness.json, without training",
+    )
     parser.add_argument("overrides", nargs="*", help="a.b=value overrides for every run")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.eval_every < 1 or min(args.lags) < 0:
@@ -255,6 +265,51 @@ def collapse_step(curve: list[tuple[int, float]], drop: float) -> int | None:
         if best - accuracy >= drop - 1e-9:
             return step
     return None
+
+
+def early_warnings(result: dict, window: int = 5) -> list[dict]:
+    """For each collapsed run, how many steps before its collapse each health metric left the
+    band of the healthy runs (no collapse) at the same lag: below their 5th percentile of the ESS,
+    or above their 95th percentile of the others, as a ``window``-step moving mean. None where it
+    did not leave the band before the collapse, or where no run at that lag stayed healthy."""
+    runs = result["runs"]
+    out = []
+    for run in (r for r in runs if r["collapse_step"] is not None):
+        healthy = [r for r in runs if r["lag"] == run["lag"] and r["collapse_step"] is None]
+        leads = {}
+        for name in ["ess", *HEALTH[:-1]]:
+            trace = run["ess"] if name == "ess" else run.get("health", {}).get(name, [])
+            pool = [
+                v
+                for r in healthy
+                for step, v in (r["ess"] if name == "ess" else r.get("health", {}).get(name, []))
+                if step > run["lag"]
+            ]
+            leads[name] = None
+            if len(pool) < 20 or len(trace) < window:
+                continue
+            pool.sort()
+            low = name == "ess"
+            edge = pool[int(0.05 * len(pool))] if low else pool[int(0.95 * len(pool)) - 1]
+            steps = [step for step, _ in trace]
+            values = [v for _, v in trace]
+            for i in range(window - 1, len(values)):
+                if steps[i] <= run["lag"]:
+                    continue
+                smooth = mean(values[i - window + 1 : i + 1])
+                if (smooth < edge) if low else (smooth > edge):
+                    if steps[i] < run["collapse_step"]:
+                        leads[name] = run["collapse_step"] - steps[i]
+                    break
+        out.append(
+            {
+                "loss": run["loss"],
+                "lag": run["lag"],
+                "collapse_step": run["collapse_step"],
+                "lead": leads,
+            }
+        )
+    return out
 
 
 def plot(result: dict, path: Path) -> Path:
@@ -339,6 +394,23 @@ def markdown_tables(result: dict) -> str:
     lines += ["", "Mean loss/ess over the steps at lag K:", "", head, rule]
     for loss in result["settings"]["losses"]:
         lines.append(f"| {loss} | " + " | ".join(ess(by[loss, lag]) for lag in lags) + " |")
+    warnings = early_warnings(result)
+    if warnings:
+        names = ["ess", *HEALTH[:-1]]
+        lines += [
+            "",
+            "Collapsed runs: the steps by which each health metric left the band of the runs that "
+            "did not collapse before the collapse (a positive lead saw it coming; - never left "
+            "it before the collapse):",
+            "",
+            "| loss | K | collapse step | " + " | ".join(names) + " |",
+            "|---|---|---|" + "---|" * len(names),
+        ]
+        for w in warnings:
+            leads = ["-" if w["lead"][n] is None else str(w["lead"][n]) for n in names]
+            lines.append(
+                f"| {w['loss']} | {w['lag']} | {w['collapse_step']} | " + " | ".join(leads) + " |"
+            )
     start = mean(r["start_accuracy"] for r in runs)
     m = result["machine"]
     lines += [
