@@ -1,17 +1,19 @@
 """A learned reward driving RL: the arithmetic job trained on a reward model's score alone.
 
-1. A classifier (``LlamaForSequenceClassification``, one label, the policy's sizes and tokenizer)
-   is trained here to score a (prompt, completion) pair: positives are the right answer, negatives
-   the right answer with one digit changed (near misses, the mistakes a policy makes) or a random
-   number of the same length. It never sees the held-out problems; its pair accuracy on them is
-   reported.
-2. One supervised warm start (as a run does it) gives the checkpoint both RL runs start from.
-3. From it, ``configs/arith.yaml`` trains twice in async mode: with the rule reward (exact answer)
-   and with the reward model alone (``reward_model.rule_weight=0``, ``weight=1``): the rewarder
-   still scores, but only for the metrics; the trained reward is the classifier's logit.
+1. One supervised warm start (as a run does it) gives the checkpoint both RL runs start from.
+2. A classifier (``LlamaForSequenceClassification``, one label) is initialised from that
+   checkpoint, as reward models are from the SFT policy, and trained here to score a (prompt,
+   completion) pair: positives are the right answer; negatives are near misses (one digit
+   changed), random numbers of the same length, answers a digit short or long, and short strings
+   of any of the task's characters, so that a policy finds no unseen kind of output to exploit.
+   It never sees the held-out problems; its pair accuracy on them is reported.
+3. From the warm start, ``configs/arith.yaml`` trains twice in async mode: with the rule reward
+   (exact answer) and with the reward model alone (``reward_model.rule_weight=0``,
+   ``weight=1``): the rewarder still scores, but only for the metrics; the trained reward is the
+   classifier's logit.
 
 Held-out accuracy is always the rule's (greedy, exact answer), so the two runs are measured alike.
-The full command (about 15 minutes on the 2-core reference machine)::
+The full command (about 20 minutes on the 2-core reference machine)::
 
     python benchmarks/reward_model.py
 
@@ -42,7 +44,7 @@ import matplotlib.pyplot as plt
 import ray
 import torch
 from common import git_state, machine, relative, save_result, train_from, warm_start
-from transformers import LlamaConfig, LlamaForSequenceClassification
+from transformers import AutoConfig, LlamaForSequenceClassification
 
 from relayrl.config import Config, load_config
 from relayrl.envs.arithmetic import AdditionTask
@@ -61,11 +63,11 @@ def main(argv: list[str] | None = None) -> int:
     began = time.time()
     with tempfile.TemporaryDirectory(prefix="relayrl-rm-") as tmp:
         tmp_dir = Path(tmp)
-        print(f"[{NAME}] training the reward model", file=sys.stderr)
-        classifier = train_classifier(cfg, args, tmp_dir / "rm")
-        print(f"[{NAME}] reward model: {json.dumps(classifier['heldout'])}", file=sys.stderr)
         print(f"[{NAME}] warm start", file=sys.stderr)
         warm = warm_start(cfg, tmp_dir / "start")
+        print(f"[{NAME}] training the reward model", file=sys.stderr)
+        classifier = train_classifier(cfg, args, tmp_dir / "start", tmp_dir / "rm")
+        print(f"[{NAME}] reward model: {json.dumps(classifier['heldout'])}", file=sys.stderr)
         runs = {}
         try:
             for reward in ("rule", "reward_model"):
@@ -108,7 +110,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--steps", type=int, default=600, help="RL steps per run (600)")
     parser.add_argument("--eval-every", type=int, default=50, help="held-out period (50)")
-    parser.add_argument("--rm-steps", type=int, default=3000, help="classifier steps (3000)")
+    parser.add_argument("--rm-steps", type=int, default=6000, help="classifier steps (6000)")
     parser.add_argument(
         "--rm-examples", type=int, default=20000, help="training problems of the classifier"
     )
@@ -123,16 +125,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _negative(answer: str, rng: random.Random) -> str:
-    """A wrong answer: one digit changed (a near miss) or, a third of the time, a random number
-    of the same length."""
-    if rng.random() < 1 / 3:
-        while True:
+    """A wrong answer: one digit changed (half the time: the near misses a policy makes), a
+    random number of the same length, the answer a digit short or long, or a short string of any
+    of the task's characters."""
+    while True:
+        kind = rng.random()
+        if kind < 0.5:
+            at = rng.randrange(len(answer))
+            wrong = answer[:at] + rng.choice("0123456789") + answer[at + 1 :]
+        elif kind < 0.65:
             wrong = "".join(rng.choice("0123456789") for _ in answer)
-            if wrong != answer:
-                return wrong
-    at = rng.randrange(len(answer))
-    digit = rng.choice([d for d in "0123456789" if d != answer[at]])
-    return answer[:at] + digit + answer[at + 1 :]
+        elif kind < 0.75:
+            at = rng.randrange(len(answer))
+            wrong = answer[:at] + answer[at + 1 :]
+        elif kind < 0.85:
+            at = rng.randrange(len(answer) + 1)
+            wrong = answer[:at] + rng.choice("0123456789") + answer[at:]
+        else:
+            wrong = "".join(rng.choice("0123456789+=") for _ in range(rng.randrange(0, 7)))
+        if wrong != answer:
+            return wrong
 
 
 def _pairs(problems: list, rng: random.Random) -> tuple[list[str], list[str], list[float]]:
@@ -146,28 +158,20 @@ def _pairs(problems: list, rng: random.Random) -> tuple[list[str], list[str], li
     return prompts, completions, labels
 
 
-def train_classifier(cfg: Config, args: argparse.Namespace, out: Path) -> dict:
-    """Train and save the reward model; its loss curve and held-out pair accuracy."""
+def train_classifier(cfg: Config, args: argparse.Namespace, start_dir: Path, out: Path) -> dict:
+    """Train the reward model from the warm-start checkpoint ``start_dir``, save it to ``out``;
+    its loss curve and held-out pair accuracy."""
     start = time.perf_counter()
-    tc, mc = cfg.task, cfg.model
-    tokenizer = load_tokenizer(mc.tokenizer_source)
+    tc = cfg.task
+    tokenizer = load_tokenizer(cfg.model.tokenizer_source)
     task = AdditionTask(tc.digits, tc.reverse_answer, tc.heldout_size)
     rng = random.Random(cfg.run.seed + 11)
     train_pairs = _pairs(task.sample(args.rm_examples, rng), rng)
     test_pairs = _pairs(task.heldout(), rng)
     torch.manual_seed(cfg.run.seed)
-    model = LlamaForSequenceClassification(
-        LlamaConfig(
-            vocab_size=len(tokenizer),
-            hidden_size=mc.hidden_size,
-            num_hidden_layers=mc.num_layers,
-            num_attention_heads=mc.num_heads,
-            intermediate_size=mc.intermediate_size,
-            max_position_embeddings=mc.max_positions,
-            num_labels=1,
-            pad_token_id=tokenizer.pad_token_id,
-        )
-    )
+    config = AutoConfig.from_pretrained(start_dir, num_labels=1)
+    config.pad_token_id = tokenizer.pad_token_id  # where each row's last real token is
+    model = LlamaForSequenceClassification.from_pretrained(start_dir, config=config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, args.rm_steps)
     losses = []
@@ -276,7 +280,7 @@ def markdown(result: dict) -> str:
         "",
         f"Reward model: {rm['parameters']:,} parameters, {result['settings']['rm_steps']} steps, "
         f"held-out pair accuracy {rm['heldout']['accuracy']:.3f} over {rm['heldout']['pairs']} "
-        "pairs (right answer against a near miss or a random number).",
+        "pairs (the right answer against one wrong one).",
         f"Command: `{result['command']}`; {m['platform']}, {m['cpu_count']} CPUs, "
         f"torch {m['torch']}; {result['wall_clock_s'] / 60:.0f} min.",
     ]
