@@ -400,3 +400,11 @@ def test_an_async_forced_lag_needs_channels_that_hold_its_batches():
     assert "channels.capacity=15 must be >= generator.min_lag=16 in async mode" in message
     assert load_config(None, [*lag, "channels.capacity=16"]).generator.min_lag == 16
     assert load_config(None, [*lag, "mode=sync"]).channels.capacity == 1  # sync has no channels
+
+
+def test_gae_with_the_kl_in_the_reward_is_refused_with_the_way_out():
+    message = config_error(
+        ARITH, ["trainer.advantage=gae", "trainer.kl_coef=0.1", "trainer.kl_in=reward"]
+    )
+    assert "trainer.advantage=gae with trainer.kl_in=reward" in message
+    assert "use trainer.kl_in=loss" in message

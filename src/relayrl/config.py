@@ -770,6 +770,13 @@ class Config(_Section):
                 f"channels.capacity={self.channels.capacity} must be >= generator.min_lag={lag} "
                 "in async mode: a batch waits in the channels until min_lag younger ones started"
             )
+        tc = self.trainer
+        if tc.advantage == "gae" and tc.kl_coef > 0 and tc.kl_in == "reward":
+            raise ValueError(
+                "trainer.advantage=gae with trainer.kl_in=reward is not supported: the critic "
+                "computes GAE from the rewards before the trainer's KL shaping; use "
+                "trainer.kl_in=loss"
+            )
         if self.generator.precision == "int8" and self.sync.precision not in (None, "int8"):
             raise ValueError(
                 f"generator.precision=int8 computes with the int8 weights the receiver stores, "

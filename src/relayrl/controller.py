@@ -1,9 +1,10 @@
 """The single controller's loops: the four ways a train step is fed, one per workload and mode.
 
 A loop drives role groups by name. LLM: generator replicas ``generate``, the scoring stages
-(rewarder replicas, then reward-model and reference replicas where placed) ``score`` in a chain,
-every trainer rank ``train_step``s on the same batch (each takes its share) and ``publish``es its
-shard, and the receivers take the new weights through the run's ``WeightSync``.
+(``LLMWorkload.scorers()``: rewarders, then your stages, reward models, references and the critic
+where placed) ``score`` in a chain, every trainer rank ``train_step``s on the same batch (each
+takes its share) and ``publish``es its shard, and the receivers take the new weights through the
+run's ``WeightSync``.
 Embodied: rollout workers step their envs and ask inference replicas for actions; segments reach
 every trainer rank's ``train_step`` (sync: collected here in lockstep; async: fetched from the
 replay buffer one super-batch ahead), and the inference replicas take the new weights. Object

@@ -1,6 +1,6 @@
 """The LLM workload (LlamaRL): generator replicas sample completion groups, a chain of scoring
-stages (rewarder replicas; reference replicas when the KL term is on) scores them, and the trainer
-group learns from them with an off-policy-corrected loss."""
+stages (rewarders; then stages of your own, a reward model, the reference and the critic where
+placed) scores them, and the trainer group learns from them with an off-policy-corrected loss."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ class LLMWorkload:
     The scoring stages (``scorers``) are role groups whose ``score`` takes the batch(es) the stage
     before returned and returns ``(summary, batch)``; the loops pass every batch through them in
     order. The reference's weights are the trainer's version 0, saved in the run directory
-    (``start_policy/``) once the warm start is done; so does the critic's backbone."""
+    (``start_policy/``) once the warm start is done; the critic's backbone starts from them too."""
 
     def __init__(
         self,
