@@ -408,3 +408,28 @@ def test_gae_with_the_kl_in_the_reward_is_refused_with_the_way_out():
     )
     assert "trainer.advantage=gae with trainer.kl_in=reward" in message
     assert "use trainer.kl_in=loss" in message
+
+
+PRESETS = sorted((REPO / "configs" / "presets").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", PRESETS, ids=[p.name for p in PRESETS])
+def test_each_preset_merges_over_the_babyai_config_and_keeps_every_value(path):
+    cfg = load_config(REPO / "configs" / "babyai.yaml", [], [path])
+    written = leaves(yaml.safe_load(path.read_text()))
+    resolved = leaves(cfg.model_dump())
+    for key, value in written.items():
+        assert resolved[key] == value, key
+    assert cfg.env.name == "babyai"  # the config's own values stay where the preset is silent
+
+
+def test_a_preset_by_name_is_found_beside_the_config_and_overrides_come_last():
+    from relayrl.config import preset_path
+
+    babyai = REPO / "configs" / "babyai.yaml"
+    found = preset_path("acce", babyai)
+    assert found == REPO / "configs" / "presets" / "acce.yaml"
+    cfg = load_config(babyai, ["trainer.gipo_sigma=0.5"], [found])
+    assert cfg.trainer.gipo_sigma == 0.5 and cfg.trainer.value_recompute == "fused"
+    with pytest.raises(ConfigError, match="preset '.*nope.yaml' not found"):
+        load_config(babyai, [], [preset_path("nope", babyai)])

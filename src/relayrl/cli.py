@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from relayrl.config import ConfigError, load_config
+from relayrl.config import ConfigError, load_config, preset_path
 
 # What an override may change on --resume: everything else must match the checkpoint.
 RESUME_OVERRIDES = ("steps", "log.", "run.checkpoint_every", "run.keep_checkpoints", "ray.")
@@ -72,6 +72,15 @@ def main(argv: list[str] | None = None) -> int:
         f"only change {', '.join(k + '*' if k.endswith('.') else k for k in RESUME_OVERRIDES)}",
     )
     train.add_argument(
+        "--preset",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="merge a preset over the config, before the overrides: a YAML file, or NAME for "
+        "presets/NAME.yaml beside the config (configs/presets/acce.yaml: AcceRL's settings); "
+        "may repeat",
+    )
+    train.add_argument(
         "--overwrite",
         action="store_true",
         help="empty a --run-dir that holds an earlier run's files before writing to it",
@@ -124,11 +133,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.ray_address is not None:
         overrides.append(f"ray.address={args.ray_address}")
     if args.resume is not None:
+        if args.preset:
+            parser.error("--preset does not go with --resume: the run's config.yaml holds it")
         return _resume(args, overrides)
     if args.config is None:
         parser.error("a config file is required (or --resume RUN_DIR)")
     try:
-        cfg = load_config(args.config, overrides)
+        presets = [preset_path(name, args.config) for name in args.preset]
+        cfg = load_config(args.config, overrides, presets)
     except ConfigError as err:
         print(f"relayrl: config error: {err}", file=sys.stderr)
         return 2

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
@@ -399,6 +400,31 @@ class TrainerConfig(_Section):
         description="embodied: env steps per optimizer step; also the micro-batch of segments "
         "whose values and GAE are recomputed together.",
     )
+    value_recompute: Literal["pass", "fused", "off"] = Field(
+        "pass",
+        description="embodied: where GAE's values come from. pass: a no-grad pass of the current "
+        "critic before training; fused: the training forward pass's own values, per micro-batch "
+        "(AcceRL; needs epochs=1, minibatch_order=sequential, adv_norm=lagged_welford); off: "
+        "the behaviour values the workers recorded (the bootstrap value still from the current "
+        "critic).",
+    )
+    minibatch_order: Literal["shuffled", "sequential"] = Field(
+        "shuffled",
+        description="embodied: minibatches of env steps drawn in a fresh random order each "
+        "epoch, or in segment-then-step order (AcceRL's sequential slicing).",
+    )
+    adv_norm: Literal["batch", "lagged_welford"] = Field(
+        "batch",
+        description="embodied: standardise advantages with the super-batch's own mean and std "
+        "(over every rank), or with the running statistics of every earlier step's advantages "
+        "(relayrl.algorithms.normalization.Welford; AcceRL's lagged normalisation; the first "
+        "step uses its own).",
+    )
+
+    @field_validator("value_recompute", mode="before")
+    @classmethod
+    def _yaml_off(cls, value: Any) -> Any:
+        return "off" if value is False else value  # YAML reads a bare off as false
 
     @field_validator("loss")
     @classmethod
@@ -671,6 +697,9 @@ NOT_FOR: dict[str, tuple[str, ...]] = {
         "trainer.entropy_coef",
         "trainer.epochs",
         "trainer.minibatch_steps",
+        "trainer.value_recompute",
+        "trainer.minibatch_order",
+        "trainer.adv_norm",
     ),
     "embodied": (
         "model",
@@ -771,6 +800,17 @@ class Config(_Section):
                 "in async mode: a batch waits in the channels until min_lag younger ones started"
             )
         tc = self.trainer
+        if tc.value_recompute == "fused":
+            needs = {"epochs": 1, "minibatch_order": "sequential", "adv_norm": "lagged_welford"}
+            wrong = {k: v for k, v in needs.items() if getattr(tc, k) != v}
+            if wrong:
+                raise ValueError(
+                    "trainer.value_recompute=fused computes each micro-batch's advantages in its "
+                    "own training forward pass, so it needs "
+                    + ", ".join(f"trainer.{k}={v}" for k, v in needs.items())
+                    + "; got "
+                    + ", ".join(f"trainer.{k}={getattr(tc, k)}" for k in wrong)
+                )
         if tc.advantage == "gae" and tc.kl_coef > 0 and tc.kl_in == "reward":
             raise ValueError(
                 "trainer.advantage=gae with trainer.kl_in=reward is not supported: the critic "
@@ -792,22 +832,15 @@ class Config(_Section):
         return self
 
 
-def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Load a YAML config, apply ``a.b=c`` overrides and validate; raise ConfigError on problems."""
-    tree: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file '{path}' not found")
-        try:
-            loaded = yaml.safe_load(path.read_text())
-        except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
-            problem = _yaml_problem(err)
-            raise ConfigError(f"config file '{path}' is not readable YAML: {problem}") from None
-        if loaded is not None and not isinstance(loaded, dict):
-            kind = type(loaded).__name__
-            raise ConfigError(f"config file '{path}' must hold a mapping, got {kind}")
-        tree = loaded or {}
+def load_config(
+    path: str | Path | None,
+    overrides: list[str] | tuple[str, ...] = (),
+    presets: Sequence[str | Path] = (),
+) -> Config:
+    """Load a YAML config, merge ``presets`` (YAML files of the same shape) over it in order, apply
+    ``a.b=c`` overrides and validate; raise ConfigError on problems."""
+    tree: dict[str, Any] = _read_yaml(path, "config file") if path is not None else {}
+    layers = [_read_yaml(preset, "preset") for preset in presets]
     for item in overrides:
         if "=" not in item or item.startswith("="):
             raise ConfigError(f"override '{item}' must look like a.b=value")
@@ -820,7 +853,11 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
                 f"{key} = {value!r}: not a valid YAML value; quote it, e.g. {key}='{value}'"
             ) from None
     try:
-        merged = OmegaConf.merge(OmegaConf.create(tree), OmegaConf.from_dotlist(list(overrides)))
+        merged = OmegaConf.merge(
+            OmegaConf.create(tree),
+            *(OmegaConf.create(layer) for layer in layers),
+            OmegaConf.from_dotlist(list(overrides)),
+        )
         tree = OmegaConf.to_container(merged, resolve=True)
     except OmegaConfBaseException as err:
         raise ConfigError(str(err).splitlines()[0]) from None
@@ -828,6 +865,29 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         return Config.model_validate(tree)
     except ValidationError as err:
         raise ConfigError(_describe(err)) from None
+
+
+def _read_yaml(path: str | Path, kind: str) -> dict[str, Any]:
+    """The mapping a YAML file holds (empty for an empty file); ConfigError naming the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{kind} '{path}' not found")
+    try:
+        loaded = yaml.safe_load(path.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
+        raise ConfigError(f"{kind} '{path}' is not readable YAML: {_yaml_problem(err)}") from None
+    if loaded is not None and not isinstance(loaded, dict):
+        raise ConfigError(f"{kind} '{path}' must hold a mapping, got {type(loaded).__name__}")
+    return loaded or {}
+
+
+def preset_path(name: str, config: str | Path | None) -> Path:
+    """A preset given by path, or by name: ``presets/NAME.yaml`` beside the config file (the
+    shipped ones are in ``configs/presets/``)."""
+    if Path(name).suffix in (".yaml", ".yml") or Path(name).is_file():
+        return Path(name)
+    folder = Path(config).parent if config is not None else Path("configs")
+    return folder / "presets" / f"{name}.yaml"
 
 
 def _yaml_problem(err: Exception) -> str:

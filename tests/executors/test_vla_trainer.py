@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 import torch
 from safetensors.torch import load_file
 from test_trainer import assert_bit_identical, core_state
 
 from relayrl.algorithms.losses import gipo_loss
-from relayrl.config import load_config
+from relayrl.config import ConfigError, load_config
 from relayrl.executors.vla_trainer import VLATrainer, micro_batches
 from relayrl.models.vla import VLAConfig, VLAPolicy
 from relayrl.types import Segment
@@ -214,3 +215,78 @@ def test_a_non_finite_minibatch_is_skipped_and_the_others_still_step():
     assert np.isfinite([v for k, v in result.metrics.items() if k.startswith("loss/")]).all()
     # Adam counts its steps: two minibatches stepped, the skipped one left no trace.
     assert {int(s["step"]) for s in trainer.optimizer.state.values()} == {2}
+
+
+FUSED = [
+    "trainer.value_recompute=fused",
+    "trainer.epochs=1",
+    "trainer.minibatch_order=sequential",
+    "trainer.adv_norm=lagged_welford",
+]
+
+
+def test_fused_gae_equals_the_separate_pass_gae_when_the_weights_do_not_change():
+    trainer = make_trainer(*FUSED, "trainer.gamma=0.9", "trainer.lam=0.8")
+    for group in micro_batches(SEGMENTS, 4):
+        fused = trainer.fused_samples(group)
+        separate = trainer.advantages(group)
+        torch.testing.assert_close(fused["advantages"], separate["advantages"])
+        torch.testing.assert_close(fused["returns"], separate["returns"])
+        torch.testing.assert_close(fused["values"].detach(), separate["values"])
+        assert fused["values"].requires_grad and fused["logp"].requires_grad  # the training pass
+
+
+def test_a_fused_step_takes_one_optimizer_step_per_micro_batch_and_bumps_once():
+    trainer = make_trainer(*FUSED, "trainer.minibatch_steps=4")
+    result = trainer.train_step(SEGMENTS)
+    assert result.stepped and trainer.version == 1
+    assert trainer.optimizer.state[next(trainer.policy.parameters())]["step"] == 3  # 3 groups
+    assert trainer.adv_stats.count == sum(len(s) for s in SEGMENTS)
+
+
+def test_value_recompute_off_uses_the_recorded_values_and_the_critics_bootstrap():
+    trainer = make_trainer("trainer.value_recompute=off", "trainer.gamma=1", "trainer.lam=1")
+    seg = segment(2, seed=3)  # not terminated: bootstraps from the last observation
+    seg.values[:] = [0.5, 0.25]
+    with torch.no_grad():
+        ids = trainer.policy.tokenize([seg.instruction])
+        _, last = trainer.policy(
+            torch.from_numpy(seg.images[-1:]), ids, torch.from_numpy(seg.steps[-1:])
+        )
+    # gamma = lam = 1: A_t = sum of the rewards from t on + V_boot - V_t
+    tail = float(last[0])
+    expected = [seg.rewards.sum() + tail - 0.5, seg.rewards[1] + tail - 0.25]
+    got = trainer.advantages([seg])["advantages"]
+    np.testing.assert_allclose(got.numpy(), expected, rtol=1e-5)
+
+
+def test_sequential_minibatches_keep_the_segment_then_step_order():
+    assert make_trainer("trainer.minibatch_order=sequential").minibatch_order(5).tolist() == [
+        0,
+        1,
+        2,
+        3,
+        4,
+    ]
+    shuffled = make_trainer().minibatch_order(50)
+    assert sorted(shuffled.tolist()) == list(range(50)) and shuffled.tolist() != list(range(50))
+
+
+def test_lagged_welford_standardises_with_the_earlier_steps_statistics():
+    """Step 1 has none yet: its own mean and std. Step 2 uses step 1's: mean 2, std 1 for raw
+    advantages 1, 3 (population std), whatever its own are."""
+    trainer = make_trainer("trainer.adv_norm=lagged_welford")
+    held = torch.tensor([True, True])
+    first = trainer._normalize(torch.tensor([1.0, 3.0]), held)
+    torch.testing.assert_close(first, torch.tensor([-1.0, 1.0]), atol=1e-6, rtol=0)
+    second = trainer._normalize(torch.tensor([10.0, 2.0]), held)
+    torch.testing.assert_close(second, torch.tensor([8.0, 0.0]), atol=1e-6, rtol=0)
+    assert trainer.adv_stats.count == 4
+    restored = make_trainer("trainer.adv_norm=lagged_welford")
+    restored.load_state_dict(trainer.state_dict())
+    assert restored.adv_stats.count == 4 and float(restored.adv_stats.mean) == 4.0
+
+
+def test_fused_recompute_without_its_companions_is_refused_naming_them():
+    with pytest.raises(ConfigError, match="value_recompute=fused.*trainer.epochs=2"):
+        make_trainer("trainer.value_recompute=fused")

@@ -7,13 +7,20 @@ lockstep loop in sync mode) and
    ``max_staleness`` versions;
 2. cuts the rest into micro-batches of about ``trainer.minibatch_steps`` env steps; for each it
    pads the segments, recomputes the value of every observation with the current critic (the
-   behaviour values the workers recorded are stale) and computes GAE, bootstrapping from the value
-   of a segment's last observation unless the segment ended with ``terminated``;
-3. normalises the advantages over the whole super-batch (``global_normalize``), as AcceRL does;
-4. takes ``trainer.epochs`` passes of random minibatches of env steps with
+   behaviour values the workers recorded are stale; ``trainer.value_recompute=off`` uses them
+   anyway) and computes GAE, bootstrapping from the value of a segment's last observation unless
+   the segment ended with ``terminated``;
+3. normalises the advantages over the whole super-batch (``global_normalize``), as AcceRL does,
+   or with the running statistics of the earlier steps (``trainer.adv_norm=lagged_welford``);
+4. takes ``trainer.epochs`` passes of minibatches of env steps (in random order, or in order with
+   ``trainer.minibatch_order=sequential``) with
    ``loss = LOSSES[trainer.loss] over action tokens + value_coef * (V - G)^2 - entropy_coef * H``,
    every action token of a step carrying the step's advantage;
 5. bumps the policy version once, if at least one minibatch stepped.
+
+``trainer.value_recompute=fused`` (AcceRL) folds 2-4 into one sequential pass: each micro-batch's
+training forward gives its values, its GAE (from those values, detached) and its loss, and one
+optimizer step follows; its advantages are standardised with the lagged statistics.
 
 A minibatch whose loss (on any rank) or global gradient norm is nan or inf takes no optimizer step
 (see ``TrainerCore.apply_gradients``) and the pass goes on to the next one: the others still hold
@@ -47,7 +54,7 @@ from torch import Tensor
 
 from relayrl import faults, parallel
 from relayrl.algorithms.advantages import gae
-from relayrl.algorithms.normalization import global_normalize
+from relayrl.algorithms.normalization import Welford, global_normalize
 from relayrl.config import Config
 from relayrl.executors.trainer_core import TrainerCore
 from relayrl.models.vla import VLAConfig, VLAPolicy
@@ -111,6 +118,22 @@ def critic_values(policy: VLAPolicy, batch: PaddedSegments) -> Tensor:
     return out
 
 
+@torch.no_grad()
+def behaviour_values(policy: VLAPolicy, batch: PaddedSegments, segments: list[Segment]) -> Tensor:
+    """Values float32 [B, T + 1] without recomputing them: the behaviour values the workers
+    recorded for every step, and the current critic's value of each row's last observation only
+    (the bootstrap; a worker never valued it). 0 on padding."""
+    out = torch.zeros(batch.observed.shape, dtype=torch.float32)
+    for i, segment in enumerate(segments):
+        out[i, : len(segment)] = torch.from_numpy(segment.values)
+    lengths = batch.mask.sum(dim=1)
+    rows = torch.arange(len(segments))
+    ids = policy.tokenize(batch.instructions)
+    _, last = policy(batch.images[rows, lengths], ids, batch.steps[rows, lengths])
+    out[rows, lengths] = last.float()
+    return out
+
+
 def _concat(parts: list[dict[str, Any]]) -> dict[str, Any]:
     """The per-step samples of consecutive micro-batches as one set (see ``advantages``)."""
     return {
@@ -147,6 +170,7 @@ class VLATrainer(TrainerCore):
         self.policy = VLAPolicy(vla).train()
         super().__init__(cfg, self.policy, adam_eps=1e-5, rank=rank, world=world)
         self.generator = torch.Generator().manual_seed(cfg.run.seed + 5)
+        self.adv_stats = Welford()  # every earlier step's raw advantages (adv_norm=lagged_welford)
 
     def advantages(self, segments: list[Segment]) -> dict[str, Any]:
         """Per-step training samples of ``segments``, in segment-then-step order: images, steps,
@@ -157,7 +181,10 @@ class VLATrainer(TrainerCore):
     def _samples(self, group: list[Segment]) -> dict[str, Any]:
         """The per-step training samples of one micro-batch (see ``advantages``)."""
         batch = pad_segments(group)
-        values = critic_values(self.policy, batch)
+        if self.tc.value_recompute == "off":
+            values = behaviour_values(self.policy, batch, group)
+        else:
+            values = critic_values(self.policy, batch)
         adv, ret = gae(
             batch.rewards,
             values,
@@ -226,21 +253,24 @@ class VLATrainer(TrainerCore):
         if fresh:
             lag = self.version - np.concatenate([s.versions for s in fresh])
             ended = [s for s in fresh if s.episode_done]
-            data, first, own = self._own_samples(fresh)
             metrics: dict[str, float] = {
                 "rollout/reward_mean": float(np.mean(np.concatenate([s.rewards for s in fresh]))),
                 "rollout/episodes_ended": float(len(ended)),
                 "staleness/mean": float(lag.mean()),
                 "staleness/max": float(lag.max()),
             }
-            metrics |= parallel.global_metrics(
-                {"rollout/value_mean": float(data["values"][:own].sum() / len(lag))}, {}
-            )
             if ended:  # the progress bar and learning curve read rollout/accuracy
                 metrics["rollout/accuracy"] = float(np.mean([s.success for s in ended]))
-            held = torch.arange(len(data["advantages"])) < own
-            advantages = global_normalize(data["advantages"], held)
-            losses, updates = self._update(data, advantages, first, own, len(lag))
+            if self.tc.value_recompute == "fused":  # values, GAE and steps in the same passes
+                losses, updates = self._fused_update(fresh)
+            else:
+                data, first, own = self._own_samples(fresh)
+                metrics |= parallel.global_metrics(
+                    {"rollout/value_mean": float(data["values"][:own].sum() / len(lag))}, {}
+                )
+                held = torch.arange(len(data["advantages"])) < own
+                advantages = self._normalize(data["advantages"], held)
+                losses, updates = self._update(data, advantages, first, own, len(lag))
             result.metrics = metrics | losses
             if updates:
                 self.bump_version()
@@ -263,7 +293,7 @@ class VLATrainer(TrainerCore):
         totals: dict[str, float] = {}
         updates = 0
         for _ in range(self.tc.epochs):
-            order = torch.randperm(count, generator=self.generator)
+            order = self.minibatch_order(count)
             for begin in range(0, count, self.tc.minibatch_steps):
                 minibatch = order[begin : begin + self.tc.minibatch_steps]
                 idx = minibatch[(minibatch >= first) & (minibatch < first + own)] - first
@@ -275,30 +305,147 @@ class VLATrainer(TrainerCore):
                 logp, entropy, values = self.policy.evaluate_actions(
                     data["images"][idx], ids, data["steps"][idx], data["actions"][idx]
                 )
-                token_adv = advantages[idx, None].expand_as(logp)
-                mask = torch.ones_like(logp, dtype=torch.bool)
-                mu = data["logprobs"][idx]
-                # A filler's dummy row adds nothing to a batch statistic (it is weighted 0 below).
-                options = self.loss_options(logp, mu, mask & (not filler))
-                policy_loss, stats = self.loss_fn(logp, mu, token_adv, mask, **options)
-                value_loss = (values - data["returns"][idx]).square().mean()
-                entropy = entropy.mean()
-                loss = policy_loss + self.tc.value_coef * value_loss
-                loss = (loss - self.tc.entropy_coef * entropy) * weight
-                grad_norm, stepped = self.apply_gradients(loss, self.optimizer)
-                if not stepped:  # every rank decides alike, so all skip the collective below
-                    continue
-                terms = {"policy": policy_loss, "value": value_loss, "entropy": entropy}
-                step = self._loss_metrics(
-                    {k: weight * float(v.detach()) for k, v in terms.items()},
-                    stats,
+                step = self._minibatch_step(
+                    logp,
+                    entropy,
+                    values,
+                    data["logprobs"][idx],
+                    advantages[idx],
+                    data["returns"][idx],
                     weight,
-                    grad_norm,
-                    (logp.detach() - mu)[mask & (not filler)],
+                    filler,
                 )
+                if step is None:
+                    continue
                 for key, value in step.items():
                     totals[key] = totals.get(key, 0.0) + value
                 updates += 1
+        return {key: value / updates for key, value in totals.items()}, updates
+
+    def _minibatch_step(
+        self,
+        logp: Tensor,
+        entropy: Tensor,
+        values: Tensor,
+        mu: Tensor,
+        advantages: Tensor,
+        returns: Tensor,
+        weight: float,
+        filler: bool,
+    ) -> dict[str, float] | None:
+        """One optimizer step on a minibatch of env steps (this rank's part, ``weight`` of the
+        whole; a ``filler`` contributes nothing); its ``loss/*`` metrics, or None if skipped."""
+        token_adv = advantages[:, None].expand_as(logp)
+        mask = torch.ones_like(logp, dtype=torch.bool)
+        # A filler's dummy row adds nothing to a batch statistic (it is weighted 0 below).
+        options = self.loss_options(logp, mu, mask & (not filler))
+        policy_loss, stats = self.loss_fn(logp, mu, token_adv, mask, **options)
+        value_loss = (values - returns).square().mean()
+        entropy = entropy.mean()
+        loss = policy_loss + self.tc.value_coef * value_loss
+        loss = (loss - self.tc.entropy_coef * entropy) * weight
+        grad_norm, stepped = self.apply_gradients(loss, self.optimizer)
+        if not stepped:  # every rank decides alike, so all skip the collective below
+            return None
+        terms = {"policy": policy_loss, "value": value_loss, "entropy": entropy}
+        return self._loss_metrics(
+            {k: weight * float(v.detach()) for k, v in terms.items()},
+            stats,
+            weight,
+            grad_norm,
+            (logp.detach() - mu)[mask & (not filler)],
+        )
+
+    def minibatch_order(self, count: int) -> Tensor:
+        """The order of a pass over ``count`` env steps: random (``shuffled``, from the trainer's
+        generator, the same on every rank) or ``sequential``."""
+        if self.tc.minibatch_order == "sequential":
+            return torch.arange(count)
+        return torch.randperm(count, generator=self.generator)
+
+    def _normalize(self, raw: Tensor, held: Tensor) -> Tensor:
+        """Standardised advantages (``trainer.adv_norm``) of this rank's ``held`` entries of
+        ``raw``: with the super-batch's statistics over every rank, or with the running ones of
+        every earlier step (the first step uses its own), which then take in this step's."""
+        if self.tc.adv_norm == "batch":
+            return global_normalize(raw, held)
+        if self.adv_stats.count == 0:
+            normalized = global_normalize(raw, held)
+        else:
+            mean, std = float(self.adv_stats.mean), float(self.adv_stats.std)
+            normalized = torch.where(held, (raw - mean) / (std + 1e-8), 0.0)
+        self.adv_stats.update(parallel.gather_cat(raw[held].detach()))
+        return normalized
+
+    def fused_samples(self, group: list[Segment]) -> dict[str, Tensor]:
+        """One micro-batch's training forward pass, with gradients: for each valid env step its
+        action log-probs [N, D], entropies [N, D] and values [N], from ONE forward over every
+        observation (the bootstrap ones too), and GAE's raw ``advantages`` and ``returns`` [N]
+        from those same values, detached (``value_recompute=fused``); also ``logprobs`` (mu)."""
+        batch = pad_segments(group)
+        observed = batch.observed
+        rows = observed.nonzero()[:, 0]
+        ids = self.policy.tokenize([batch.instructions[i] for i in rows.tolist()])
+        logits, values = self.policy(batch.images[observed], ids, batch.steps[observed])
+        grid = torch.zeros(observed.shape, dtype=torch.float32)
+        grid[observed] = values.float().detach()
+        adv, ret = gae(
+            batch.rewards, grid, batch.terminated, batch.mask, gamma=self.tc.gamma, lam=self.tc.lam
+        )
+        index = torch.full(observed.shape, -1, dtype=torch.long)
+        index[observed] = torch.arange(int(observed.sum()))
+        at = index[:, :-1][batch.mask]  # each valid step's observation among the observed
+        logp_all = logits[at].log_softmax(-1)
+        return {
+            "logp": logp_all.gather(-1, batch.actions[batch.mask].unsqueeze(-1)).squeeze(-1),
+            "entropy": -(logp_all.exp() * logp_all).sum(-1),
+            "values": values[at],
+            "logprobs": batch.logprobs[batch.mask],
+            "advantages": adv[batch.mask],
+            "returns": ret[batch.mask],
+        }
+
+    def _fused_update(self, fresh: list[Segment]) -> tuple[dict[str, float], int]:
+        """AcceRL's single sequential pass: each micro-batch's forward gives its values, its GAE
+        and its loss at once, and one optimizer step follows. With ranks, round r steps on the
+        r-th micro-batch of every rank's block together (a rank past its block adds a filler),
+        each weighted by its share of the round's env steps. Advantages are standardised with the
+        running statistics of the earlier steps (the first step: each round's own, over ranks),
+        which take in this step's raw advantages at the end."""
+        groups = micro_batches(fresh, self.tc.minibatch_steps)
+        mine = groups[parallel.share(len(groups), self.rank, self.world)]
+        rounds = -(-len(groups) // self.world)
+        seen = self.adv_stats.count > 0
+        mean, std = float(self.adv_stats.mean), float(self.adv_stats.std)
+        raw, totals, updates = [], {}, 0
+        for r in range(rounds):
+            filler = r >= len(mine)
+            out = self.fused_samples(fresh[:1] if filler else mine[r])
+            steps = 0 if filler else len(out["advantages"])
+            total = parallel.global_metrics({"steps": float(steps)}, {})["steps"]
+            held = torch.full_like(out["advantages"], not filler, dtype=torch.bool)
+            if seen:
+                advantages = torch.where(held, (out["advantages"] - mean) / (std + 1e-8), 0.0)
+            else:
+                advantages = global_normalize(out["advantages"], held)
+            if not filler:
+                raw.append(out["advantages"])
+            step = self._minibatch_step(
+                out["logp"],
+                out["entropy"],
+                out["values"],
+                out["logprobs"],
+                advantages,
+                out["returns"],
+                steps / total if total else 0.0,
+                filler,
+            )
+            if step is None:
+                continue
+            for key, value in step.items():
+                totals[key] = totals.get(key, 0.0) + value
+            updates += 1
+        self.adv_stats.update(parallel.gather_cat(torch.cat(raw) if raw else torch.zeros(0)))
         return {key: value / updates for key, value in totals.items()}, updates
 
     def save_pretrained(self, path: str) -> str:
@@ -316,10 +463,17 @@ class VLATrainer(TrainerCore):
         return str(out)
 
     def state_dict(self) -> dict:
-        """The core's snapshot plus the minibatch shuffling generator."""
-        return super().state_dict() | {"generator": self.generator.get_state()}
+        """The core's snapshot plus the minibatch shuffling generator and the running advantage
+        statistics."""
+        return super().state_dict() | {
+            "generator": self.generator.get_state(),
+            "adv_stats": self.adv_stats.state_dict(),
+        }
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore what ``state_dict`` saved."""
+        """Restore what ``state_dict`` saved (a checkpoint from before the running statistics
+        existed restores none)."""
         super().load_state_dict(state)
         self.generator.set_state(state["generator"])
+        if "adv_stats" in state:
+            self.adv_stats.load_state_dict(state["adv_stats"])
