@@ -408,3 +408,17 @@ def test_gae_with_the_kl_in_the_reward_is_refused_with_the_way_out():
     )
     assert "trainer.advantage=gae with trainer.kl_in=reward" in message
     assert "use trainer.kl_in=loss" in message
+
+
+def test_acce_options_reach_the_task_choice_and_the_vla_config():
+    from relayrl.launch import vla_config
+    from relayrl.workloads.embodied import TaskChoice
+
+    overrides = ["rollout.dwr_formula=acce", "rollout.dwr_alpha=0.5", "vla.value_head=acce"]
+    cfg = load_config(REPO / "configs" / "babyai.yaml", [*overrides, "rollout.curriculum=false"])
+    choice = TaskChoice(cfg, ("a", "b"))
+    choice.record("a", success=False)
+    # acce: (1 + 0.5) against the unseen task's 0.5; smoothed would give 1.5/2 against 0.5/1
+    assert choice.weights() == pytest.approx([3 / 4, 1 / 4])
+    assert vla_config(cfg, views=1, dims=1, vocab=3).value_head == "acce"
+    assert load_config(REPO / "configs" / "babyai.yaml").vla.value_head == "action_aware_attention"
