@@ -433,3 +433,17 @@ def test_a_preset_by_name_is_found_beside_the_config_and_overrides_come_last():
     assert cfg.trainer.gipo_sigma == 0.5 and cfg.trainer.value_recompute == "fused"
     with pytest.raises(ConfigError, match="preset '.*nope.yaml' not found"):
         load_config(babyai, [], [preset_path("nope", babyai)])
+
+
+def test_acce_options_reach_the_task_choice_and_the_vla_config():
+    from relayrl.launch import vla_config
+    from relayrl.workloads.embodied import TaskChoice
+
+    overrides = ["rollout.dwr_formula=acce", "rollout.dwr_alpha=0.5", "vla.value_head=acce"]
+    cfg = load_config(REPO / "configs" / "babyai.yaml", [*overrides, "rollout.curriculum=false"])
+    choice = TaskChoice(cfg, ("a", "b"))
+    choice.record("a", success=False)
+    # acce: (1 + 0.5) against the unseen task's 0.5; smoothed would give 1.5/2 against 0.5/1
+    assert choice.weights() == pytest.approx([3 / 4, 1 / 4])
+    assert vla_config(cfg, views=1, dims=1, vocab=3).value_head == "acce"
+    assert load_config(REPO / "configs" / "babyai.yaml").vla.value_head == "action_aware_attention"

@@ -503,7 +503,17 @@ class RolloutConfig(_Section):
         True, description="Dynamic weighted resampling: start episodes on tasks still failed."
     )
     dwr_window: int = Field(50, ge=1, description="DWR: recent episodes per task that count.")
-    dwr_alpha: float = Field(1.0, gt=0, description="DWR: Laplace smoothing of failure rates.")
+    dwr_alpha: float = Field(
+        1.0,
+        gt=0,
+        description="DWR: smoothed: Laplace smoothing of failure rates; acce: the eps added to "
+        "each task's failure count.",
+    )
+    dwr_formula: Literal["smoothed", "acce"] = Field(
+        "smoothed",
+        description="DWR task weight: smoothed (failures + alpha) / (episodes + 2 alpha); acce "
+        "(AcceRL) (window - successes) + alpha, unplayed episodes counting as successes.",
+    )
     curriculum: bool = Field(
         False,
         description="The env's tasks are stages in order: training starts on the first and the "
@@ -585,6 +595,12 @@ class VLAModelConfig(_Section):
     )
     detach_value: bool = Field(
         True, description="The value loss trains only the critic head, not the backbone."
+    )
+    value_head: Literal["action_aware_attention", "acce"] = Field(
+        "action_aware_attention",
+        description="Critic head: action_aware_attention (a query conditioned on the policy's "
+        "action probabilities and the step attends over all tokens); acce (AcceRL D.2: "
+        "softmax-pooled action-token states plus a step embedding, then a GELU MLP).",
     )
 
     @model_validator(mode="after")

@@ -47,6 +47,35 @@ def test_the_window_forgets_old_results():
     approx(dwr.weights(), {"open-drawer": 1 / 3, "pick-cube": 2 / 3})
 
 
+def test_acce_weights_by_hand():
+    dwr = DynamicWeightedResampler(TASKS, window=4, alpha=0.5, formula="acce")
+    # every history starts as four successes: each weight is (4 - 4) + 0.5, so uniform
+    approx(dwr.weights(), dict.fromkeys(TASKS, 1 / 3))
+    for success in (False, False, True):
+        dwr.record("open-drawer", success)
+    dwr.record("pick-cube", success=True)
+    # open-drawer: 1 recorded + 1 prefilled success, (4 - 2) + 0.5 = 5/2; pick-cube: 4 successes,
+    # 1/2; push-button unseen, 1/2 (the smoothed formula would give it 1/2 of a failure rate,
+    # more than pick-cube). Total 7/2.
+    approx(dwr.weights(), {"open-drawer": 5 / 7, "pick-cube": 1 / 7, "push-button": 1 / 7})
+    dwr.record("open-drawer", success=False)
+    dwr.record("open-drawer", success=False)
+    # the window holds F, S, F, F of open-drawer's five: (4 - 1) + 0.5 = 7/2, total 9/2
+    approx(dwr.weights(), {"open-drawer": 7 / 9, "pick-cube": 1 / 9, "push-button": 1 / 9})
+
+
+def test_acce_and_smoothed_differ_while_windows_fill():
+    # One failure of open-drawer and nothing else: acce weighs it (1 + 1) against 1 for each
+    # unseen task (2/4, 1/4, 1/4); smoothed weighs (1 + 1) / (1 + 2) = 2/3 against 1/2 (4/10,
+    # 3/10, 3/10).
+    acce = DynamicWeightedResampler(TASKS, formula="acce")
+    smoothed = DynamicWeightedResampler(TASKS)
+    for dwr in (acce, smoothed):
+        dwr.record("open-drawer", success=False)
+    approx(acce.weights(), {"open-drawer": 1 / 2, "pick-cube": 1 / 4, "push-button": 1 / 4})
+    approx(smoothed.weights(), {"open-drawer": 2 / 5, "pick-cube": 3 / 10, "push-button": 3 / 10})
+
+
 def test_sampling_frequencies_match_the_weights():
     dwr = DynamicWeightedResampler(TASKS, window=4, seed=0)
     for _ in range(4):
@@ -104,6 +133,7 @@ def test_unknown_task_names_are_rejected():
         (["a", "a"], {}, "unique"),
         (TASKS, {"window": 0}, "window=0"),
         (TASKS, {"alpha": 0.0}, "alpha=0.0"),
+        (TASKS, {"formula": "count"}, "formula must be one of"),
     ],
 )
 def test_bad_arguments_are_rejected(tasks, kwargs, message):

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
+from dataclasses import asdict
+
 import pytest
 import torch
 
 from relayrl.envs.embodied import ActionSpace
+from relayrl.models.value_heads import AcceValueHead
 from relayrl.models.vla import _WORD_IDS, PAD_ID, VLAConfig, VLAPolicy
 
 # Small enough that every test runs in well under a second.
@@ -226,3 +230,26 @@ def test_summary_only_feeds_the_backbone_one_token_per_view(space: ActionSpace, 
     )
     (logprobs.sum() + values.sum()).backward()
     assert all(p.grad is not None for p in model.parameters())
+
+
+def test_value_head_is_chosen_by_config_and_keeps_the_critic_isolated() -> None:
+    model = make(CONTINUOUS, value_head="acce")
+    assert isinstance(model.value_head, AcceValueHead)
+    images, instructions, steps = inputs(4)
+    actions = torch.zeros(4, CONTINUOUS.dims, dtype=torch.int64)
+    _, _, values = model.evaluate_actions(images, model.tokenize(instructions), steps, actions)
+    assert values.shape == (4,)
+    values.pow(2).sum().backward()
+    assert all(p.grad is None or not p.grad.any() for p in backbone_params(model))
+    assert model.value_head.scorer.weight.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match="value_head must be one of"):
+        VLAConfig(value_head="mean_pool")
+
+
+def test_vla_config_round_trips_through_json_and_old_files_load() -> None:
+    # vla_config.json is json.dumps(asdict(cfg)); read back as VLAConfig(**json).
+    cfg = VLAConfig(**SMALL, value_head="acce")
+    saved = json.loads(json.dumps(asdict(cfg)))
+    assert VLAConfig(**saved) == cfg
+    del saved["value_head"]  # a checkpoint written before the option existed
+    assert VLAConfig(**saved).value_head == "action_aware_attention"

@@ -27,8 +27,10 @@ Architecture, in the order data flows:
    the head size independent of D (7 continuous dimensions x 256 bins cost one 256-way layer, not
    seven) and let each dimension attend to the patches it needs. Each dimension is one token with
    its own token-level log-prob, as the losses in ``relayrl.algorithms`` expect.
-5. Critic: ``ActionAwareValueHead`` (attention pooling conditioned on the policy's action
-   distribution and the episode step) over the backbone states, detached by default.
+5. Critic, chosen by ``value_head``: ``ActionAwareValueHead`` (attention pooling over all
+   backbone states, conditioned on the policy's action distribution and the episode step) or
+   ``AcceValueHead`` (AcceRL's: softmax pooling of the action-token states plus a step
+   embedding), detached by default.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor, nn
 
-from relayrl.models.value_heads import ActionAwareValueHead
+from relayrl.models.value_heads import AcceValueHead, ActionAwareValueHead
 
 PAD_ID = 0
 # Built-in words get fixed ids 1..len(WORDS); every other word is hashed into the ids after them.
@@ -55,6 +57,28 @@ WORDS = (  # noqa: SIM905
     "cup stove microwave basket button handle lid window shelf table white black"
 ).split()
 _WORD_IDS = {word: i + 1 for i, word in enumerate(WORDS)}
+
+
+def _action_aware_attention(cfg: VLAConfig) -> nn.Module:
+    return ActionAwareValueHead(
+        cfg.d_model,
+        cfg.heads,
+        cfg.action_dims,
+        cfg.action_vocab,
+        cfg.max_episode_steps,
+        detach=cfg.detach_value,
+    )
+
+
+def _acce(cfg: VLAConfig) -> nn.Module:
+    return AcceValueHead(
+        cfg.d_model, cfg.action_dims, cfg.max_episode_steps, detach=cfg.detach_value
+    )
+
+
+# ``VLAConfig.value_head`` -> the critic head built for that config; every head is called as
+# ``head(hidden, padding, action_logits, steps)``.
+VALUE_HEADS = {"action_aware_attention": _action_aware_attention, "acce": _acce}
 
 
 @dataclass
@@ -94,6 +118,9 @@ class VLAConfig:
     """Largest distinct step index of the critic's step embedding; later steps share it."""
     detach_value: bool = True
     """Detach the backbone states and logits the critic reads, so the value loss trains only it."""
+    value_head: str = "action_aware_attention"
+    """Critic head, a key of ``VALUE_HEADS``; checkpoints saved before it existed get the default,
+    the head they were trained with."""
 
     def __post_init__(self) -> None:
         for name in (f.name for f in fields(self) if f.type == "int" and f.name != "conv_layers"):
@@ -109,6 +136,11 @@ class VLAConfig:
             )
         if self.d_model % self.heads:
             raise ValueError(f"VLAConfig.heads={self.heads} must divide d_model={self.d_model}")
+        if self.value_head not in VALUE_HEADS:
+            raise ValueError(
+                f"VLAConfig.value_head must be one of {sorted(VALUE_HEADS)}, "
+                f"got {self.value_head!r}"
+            )
 
     @property
     def instruction_vocab(self) -> int:
@@ -142,14 +174,7 @@ class VLAPolicy(nn.Module):
             layer, cfg.layers, norm=nn.LayerNorm(d), enable_nested_tensor=False
         )
         self.action_head = nn.Linear(d, cfg.action_vocab)
-        self.value_head = ActionAwareValueHead(
-            d,
-            cfg.heads,
-            cfg.action_dims,
-            cfg.action_vocab,
-            cfg.max_episode_steps,
-            detach=cfg.detach_value,
-        )
+        self.value_head = VALUE_HEADS[cfg.value_head](cfg)
         self._init_weights()
 
     def _init_weights(self) -> None:

@@ -548,7 +548,11 @@ class TaskChoice:
         r = cfg.rollout
         self.use_dwr = r.dwr
         self.dwr = DynamicWeightedResampler(
-            tasks, window=r.dwr_window, alpha=r.dwr_alpha, seed=cfg.run.seed
+            tasks,
+            window=r.dwr_window,
+            alpha=r.dwr_alpha,
+            formula=r.dwr_formula,
+            seed=cfg.run.seed,
         )
         self.curriculum = (
             Curriculum(
