@@ -6,13 +6,14 @@ from __future__ import annotations
 import functools
 import json
 import sys
+from pathlib import Path
 
 import pytest
 import torch
-from conftest import shm_files, tiny_config
+from conftest import QUIET, shm_files, tiny_config
 from safetensors.torch import load_file
 
-from relayrl.config import EnvConfig
+from relayrl.config import EnvConfig, load_config
 from relayrl.job import train
 from relayrl.launch import BLIND_INSTRUCTION, build_env
 from relayrl.models.vla import VLAConfig, VLAPolicy
@@ -197,3 +198,16 @@ def test_a_closed_stage_is_never_played(ray_session, tmp_path):
     check_books(summary)
     assert summary["curriculum"]["stage"] == easy  # tiny run: never solved, no step budget
     assert set(summary["rollout"]["success_rate"]["per_task"]) == {easy}
+
+
+def test_the_acce_preset_runs_async_and_trains_its_value_head(ray_session, tmp_path):
+    """configs/presets/acce.yaml over the small embodied run: fused recompute (one optimizer step
+    per micro-batch), the D.2 value head and AcceRL's DWR; the books balance."""
+    preset = Path(__file__).resolve().parents[1] / "configs" / "presets" / "acce.yaml"
+    cfg = load_config(None, [*QUIET, *SMALL, "mode=async"], [preset])
+    assert cfg.trainer.value_recompute == "fused" and cfg.vla.value_head == "acce"
+    summary = train(cfg, tmp_path / "run")
+    assert summary["status"] == "finished" and summary["updates"] == 3
+    check_books(summary)
+    changed = changed_parameters(summary, cfg.run.seed)
+    assert any(name.startswith("value_head.") for name in changed)
