@@ -2,15 +2,18 @@
 
 1. One supervised warm start (as a run does it) gives the checkpoint both RL runs start from.
 2. A classifier (``LlamaForSequenceClassification``, one label) is initialised from that
-   checkpoint, as reward models are from the SFT policy, and trained here to score a (prompt,
-   completion) pair: positives are the right answer; negatives are near misses (one digit
-   changed), random numbers of the same length, answers a digit short or long, and short strings
-   of any of the task's characters, so that a policy finds no unseen kind of output to exploit.
-   It never sees the held-out problems; its pair accuracy on them is reported.
+   checkpoint, as reward models are from the SFT policy, and trained to score a (prompt,
+   completion) pair on two halves: synthetic pairs (the right answer; near misses with one digit
+   changed, random numbers of the same length, answers a digit short or long, short strings of
+   the task's characters) and the warm-started policy's own samples (8 per training prompt,
+   labelled by the rule), the mistakes RL meets first, as preference data comes from the SFT
+   policy. It never sees the held-out problems; its accuracy on held-out synthetic pairs and on
+   the policy's held-out samples is reported.
 3. From the warm start, ``configs/arith.yaml`` trains twice in async mode: with the rule reward
    (exact answer) and with the reward model alone (``reward_model.rule_weight=0``,
    ``weight=1``): the rewarder still scores, but only for the metrics; the trained reward is the
-   classifier's logit.
+   classifier's logit. Both runs keep a KL term to the start policy (``--kl-coef``, 0.02 in the
+   loss), as RLHF does to stay where the reward model is right.
 
 Held-out accuracy is always the rule's (greedy, exact answer), so the two runs are measured alike.
 The full command (about 20 minutes on the 2-core reference machine)::
@@ -48,6 +51,8 @@ from transformers import AutoConfig, LlamaForSequenceClassification
 
 from relayrl.config import Config, load_config
 from relayrl.envs.arithmetic import AdditionTask
+from relayrl.executors.generator import Generator
+from relayrl.executors.rewarder import Rewarder
 from relayrl.models.lm import load_tokenizer
 
 matplotlib.use("Agg")  # benchmark machines have no display
@@ -88,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
             "eval_every": args.eval_every,
             "rm_steps": args.rm_steps,
             "rm_examples": args.rm_examples,
+            "rm_policy_prompts": args.rm_policy_prompts,
+            "kl_coef": args.kl_coef,
             "overrides": [relative(item) for item in args.overrides],
         },
         "reward_model": classifier,
@@ -112,7 +119,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--eval-every", type=int, default=50, help="held-out period (50)")
     parser.add_argument("--rm-steps", type=int, default=6000, help="classifier steps (6000)")
     parser.add_argument(
-        "--rm-examples", type=int, default=20000, help="training problems of the classifier"
+        "--rm-examples", type=int, default=20000, help="synthetic training problems (20000)"
+    )
+    parser.add_argument(
+        "--rm-policy-prompts",
+        type=int,
+        default=3000,
+        help="training problems the warm-started policy answers 8 times each, labelled by the "
+        "rule, for the classifier (3000)",
+    )
+    parser.add_argument(
+        "--kl-coef",
+        type=float,
+        default=0.02,
+        help="trainer.kl_coef of both RL runs: the KL to the start policy, as RLHF keeps a "
+        "policy near where its reward model is right (0.02)",
     )
     parser.add_argument(
         "--out", type=Path, default=REPO / "benchmarks" / "results", help="benchmarks/results"
@@ -168,6 +189,8 @@ def train_classifier(cfg: Config, args: argparse.Namespace, start_dir: Path, out
     rng = random.Random(cfg.run.seed + 11)
     train_pairs = _pairs(task.sample(args.rm_examples, rng), rng)
     test_pairs = _pairs(task.heldout(), rng)
+    sampled = _policy_pairs(cfg, start_dir, task.sample(args.rm_policy_prompts, rng), 8)
+    sampled_test = _policy_pairs(cfg, start_dir, task.heldout(), 2)
     torch.manual_seed(cfg.run.seed)
     config = AutoConfig.from_pretrained(start_dir, num_labels=1)
     config.pad_token_id = tokenizer.pad_token_id  # where each row's last real token is
@@ -177,14 +200,18 @@ def train_classifier(cfg: Config, args: argparse.Namespace, start_dir: Path, out
     losses = []
     batch_size = 128
     for step in range(args.rm_steps):
-        rows = [rng.randrange(len(train_pairs[0])) for _ in range(batch_size)]
+        # half synthetic pairs, half the warm-started policy's own samples
+        picks = [
+            (source, rng.randrange(len(source[0])))
+            for source in [train_pairs, sampled] * (batch_size // 2)
+        ]
         encoded = tokenizer(
-            [train_pairs[0][i] for i in rows],
-            [train_pairs[1][i] for i in rows],
+            [source[0][i] for source, i in picks],
+            [source[1][i] for source, i in picks],
             padding=True,
             return_tensors="pt",
         )
-        labels = torch.tensor([train_pairs[2][i] for i in rows])
+        labels = torch.tensor([source[2][i] for source, i in picks])
         logits = model(**encoded).logits[:, 0]
         loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels)
         optimizer.zero_grad(set_to_none=True)
@@ -194,24 +221,48 @@ def train_classifier(cfg: Config, args: argparse.Namespace, start_dir: Path, out
         if step % 50 == 0 or step == args.rm_steps - 1:
             losses.append((step, float(loss)))
     model.eval()
-    correct = 0
-    with torch.no_grad():
-        for offset in range(0, len(test_pairs[0]), 512):
-            part = slice(offset, offset + 512)
-            encoded = tokenizer(
-                test_pairs[0][part], test_pairs[1][part], padding=True, return_tensors="pt"
-            )
-            predicted = model(**encoded).logits[:, 0] > 0
-            correct += int((predicted == torch.tensor(test_pairs[2][part]).bool()).sum())
+    synthetic = _accuracy(model, tokenizer, test_pairs)
+    samples = _accuracy(model, tokenizer, sampled_test)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return {
         "path": str(out),
         "parameters": sum(p.numel() for p in model.parameters()),
         "loss": losses,
-        "heldout": {"pairs": len(test_pairs[0]), "accuracy": correct / len(test_pairs[0])},
+        "heldout": {"pairs": len(test_pairs[0]), "accuracy": synthetic},
+        "heldout_policy_samples": {
+            "samples": len(sampled_test[0]),
+            "right": int(sum(sampled_test[2])),
+            "accuracy": samples,
+        },
         "time_s": time.perf_counter() - start,
     }
+
+
+@torch.no_grad()
+def _accuracy(model, tokenizer, pairs: tuple[list[str], list[str], list[float]]) -> float:
+    """How often the classifier's sign agrees with the label, over ``pairs``."""
+    correct = 0
+    for offset in range(0, len(pairs[0]), 512):
+        part = slice(offset, offset + 512)
+        encoded = tokenizer(pairs[0][part], pairs[1][part], padding=True, return_tensors="pt")
+        predicted = model(**encoded).logits[:, 0] > 0
+        correct += int((predicted == torch.tensor(pairs[2][part]).bool()).sum())
+    return correct / len(pairs[0])
+
+
+def _policy_pairs(
+    cfg: Config, start_dir: Path, problems: list, k: int
+) -> tuple[list[str], list[str], list[float]]:
+    """``k`` samples of the warm-started policy per problem, labelled by the rule (the exact
+    answer, finished): the mistakes this policy makes, which RL will meet first."""
+    sampler = load_config(None, [f"model.path={start_dir}", "warm_start.max_steps=0"])
+    sampler = sampler.model_copy(update={"generator": cfg.generator, "task": cfg.task})
+    generator, rewarder = Generator(sampler), Rewarder(sampler)
+    prompts = [generator.codec.encode(p.prompt) for p in problems]
+    _, batch = rewarder.score(generator.complete(prompts, [p.answer for p in problems], k=k))
+    repeated = [p.prompt for p in problems for _ in range(k)]
+    return repeated, list(batch.completions), [float(r > 0) for r in batch.rewards]
 
 
 def run_config(args: argparse.Namespace, reward: str, tmp_dir: Path) -> Config:
@@ -234,6 +285,7 @@ def run_config(args: argparse.Namespace, reward: str, tmp_dir: Path) -> Config:
             "log.tensorboard=false",
             "run.checkpoint_every=0",
             f"run.out_dir={tmp_dir}",
+            f"trainer.kl_coef={args.kl_coef}",
             *(by_model if reward == "reward_model" else []),
         ],
     )
@@ -279,8 +331,11 @@ def markdown(result: dict) -> str:
     lines += [
         "",
         f"Reward model: {rm['parameters']:,} parameters, {result['settings']['rm_steps']} steps, "
-        f"held-out pair accuracy {rm['heldout']['accuracy']:.3f} over {rm['heldout']['pairs']} "
-        "pairs (the right answer against one wrong one).",
+        f"held-out accuracy {rm['heldout']['accuracy']:.3f} on {rm['heldout']['pairs']} synthetic "
+        f"pairs and {rm['heldout_policy_samples']['accuracy']:.3f} on "
+        f"{rm['heldout_policy_samples']['samples']} of the start policy's samples "
+        f"({rm['heldout_policy_samples']['right']} right); both runs with trainer.kl_coef="
+        f"{result['settings']['kl_coef']}.",
         f"Command: `{result['command']}`; {m['platform']}, {m['cpu_count']} CPUs, "
         f"torch {m['torch']}; {result['wall_clock_s'] / 60:.0f} min.",
     ]
