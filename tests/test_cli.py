@@ -31,7 +31,7 @@ BAD_CONFIGS = {
     "wrong-type": ([ARITH, "steps=abc"], "steps = 'abc': Input should be a valid integer"),
     "negative-staleness": ([ARITH, "max_staleness=-1"], "max_staleness = -1: "),
     "unknown-loss": ([ARITH, "trainer.loss=magic"], "allowed: aipo, aipo_clamp, ess_aipo, gipo"),
-    "unknown-advantage": ([ARITH, "trainer.advantage=gae"], "trainer.advantage = 'gae': "),
+    "unknown-advantage": ([ARITH, "trainer.advantage=ppo"], "trainer.advantage = 'ppo': "),
     "missing-file": (["configs/does_not_exist.yaml"], "'configs/does_not_exist.yaml' not found"),
     "missing-model-dir": ([ARITH, "model.path={tmp}/none"], "model.path = '{tmp}/none': "),
     "malformed-override": ([ARITH, "steps"], "override 'steps' must look like a.b=value"),
