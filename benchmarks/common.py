@@ -12,11 +12,12 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import ray
 import torch
 
-from relayrl.config import Config
+from relayrl.config import Config, load_config
 from relayrl.executors.generator import Generator
 from relayrl.executors.rewarder import Rewarder
 from relayrl.executors.trainer import Trainer
@@ -136,3 +137,25 @@ def train_from(cfg: Config, run_dir: Path) -> dict:
         "samples_accounted": summary["samples"]["accounted"],
         "wall_clock_s": summary["wall_clock_s"],
     }
+
+
+def from_start(args: Any, tmp_dir: Path, extra: list[str]) -> Config:
+    """One RL run's config: ``args.config`` with ``args.overrides``, async, ``args.steps`` steps
+    from the warm-start checkpoint in ``tmp_dir / "start"``, held-out every ``args.eval_every``
+    steps, quiet, no run checkpoints, written under ``tmp_dir``; then ``extra`` overrides."""
+    return load_config(
+        args.config,
+        [
+            *args.overrides,
+            "mode=async",
+            f"steps={args.steps}",
+            f"model.path={tmp_dir / 'start'}",
+            "warm_start.max_steps=0",
+            f"log.eval_every={args.eval_every}",
+            "log.progress=false",
+            "log.tensorboard=false",
+            "run.checkpoint_every=0",
+            f"run.out_dir={tmp_dir}",
+            *extra,
+        ],
+    )

@@ -34,7 +34,15 @@ from pathlib import Path
 import matplotlib
 import matplotlib.pyplot as plt
 import ray
-from common import git_state, machine, relative, save_result, train_from, warm_start
+from common import (
+    from_start,
+    git_state,
+    machine,
+    relative,
+    save_result,
+    train_from,
+    warm_start,
+)
 
 from relayrl.config import Config, load_config
 
@@ -112,22 +120,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def run_config(args: argparse.Namespace, extra: list[str], tmp_dir: Path) -> Config:
     """One run's config: the shared one from the warm-start checkpoint, async, plus ``extra``."""
-    return load_config(
-        args.config,
-        [
-            *args.overrides,
-            "mode=async",
-            f"steps={args.steps}",
-            f"model.path={tmp_dir / 'start'}",
-            "warm_start.max_steps=0",
-            f"log.eval_every={args.eval_every}",
-            "log.progress=false",
-            "log.tensorboard=false",
-            "run.checkpoint_every=0",
-            f"run.out_dir={tmp_dir}",
-            *extra,
-        ],
-    )
+    return from_start(args, tmp_dir, extra)
 
 
 def plot(result: dict, path: Path) -> Path:

@@ -46,7 +46,15 @@ import matplotlib
 import matplotlib.pyplot as plt
 import ray
 import torch
-from common import git_state, machine, relative, save_result, train_from, warm_start
+from common import (
+    from_start,
+    git_state,
+    machine,
+    relative,
+    save_result,
+    train_from,
+    warm_start,
+)
 from transformers import AutoConfig, LlamaForSequenceClassification
 
 from relayrl.config import Config, load_config
@@ -272,23 +280,8 @@ def run_config(args: argparse.Namespace, reward: str, tmp_dir: Path) -> Config:
         "reward_model.rule_weight=0",
         "reward_model.weight=1",
     ]
-    return load_config(
-        args.config,
-        [
-            *args.overrides,
-            "mode=async",
-            f"steps={args.steps}",
-            f"model.path={tmp_dir / 'start'}",
-            "warm_start.max_steps=0",
-            f"log.eval_every={args.eval_every}",
-            "log.progress=false",
-            "log.tensorboard=false",
-            "run.checkpoint_every=0",
-            f"run.out_dir={tmp_dir}",
-            f"trainer.kl_coef={args.kl_coef}",
-            *(by_model if reward == "reward_model" else []),
-        ],
-    )
+    extra = [f"trainer.kl_coef={args.kl_coef}", *(by_model if reward == "reward_model" else [])]
+    return from_start(args, tmp_dir, extra)
 
 
 def plot(result: dict, path: Path) -> Path:
