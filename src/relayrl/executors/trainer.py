@@ -161,7 +161,9 @@ class Trainer(TrainerCore):
         if tc.kl_coef > 0 and tc.kl_in == "reward":  # shaped before advantages and signal checks
             penalty = tc.kl_coef * sequence_kl(
                 torch.from_numpy(batch.logprobs),
-                torch.from_numpy(_reference(batch)),
+                torch.from_numpy(
+                    _from_stage(batch, "ref_logprobs", "trainer.kl_coef > 0", "reference")
+                ),
                 torch.from_numpy(batch.completion_mask),
                 tc.kl_estimator,
             )
@@ -206,7 +208,9 @@ class Trainer(TrainerCore):
             mask = torch.zeros_like(mask)
         mu = torch.from_numpy(batch.logprobs[:, 1:])
         if per_token:
-            token_adv = torch.from_numpy(_critics(batch)[:, 1:])
+            token_adv = torch.from_numpy(
+                _from_stage(batch, "token_advantages", "trainer.advantage=gae", "critic")[:, 1:]
+            )
         else:
             advantages = self.advantage_fn(torch.from_numpy(batch.rewards), batch.group_size)
             token_adv = advantages[:, None].expand_as(logp)
@@ -219,7 +223,9 @@ class Trainer(TrainerCore):
         loss = loss * (own_tokens / all_tokens)
         terms = {}
         if tc.kl_coef > 0:  # the reference's log-probs: a KL term
-            ref = torch.from_numpy(_reference(batch)[:, 1:])
+            ref = torch.from_numpy(
+                _from_stage(batch, "ref_logprobs", "trainer.kl_coef > 0", "reference")[:, 1:]
+            )
             kl_sum = torch.where(mask.bool(), KL_ESTIMATORS[tc.kl_estimator](logp, ref), 0.0).sum()
             if kl_in_loss:
                 loss = loss + tc.kl_coef * kl_sum / all_tokens
@@ -254,24 +260,15 @@ class Trainer(TrainerCore):
         return str(Path(path))
 
 
-def _critics(batch: RolloutBatch) -> np.ndarray:
-    """The batch's per-token advantages; a batch that did not pass the critic is refused."""
-    if batch.token_advantages is None:
+def _from_stage(batch: RolloutBatch, name: str, setting: str, stage: str) -> np.ndarray:
+    """The array a scoring stage put in ``batch.<name>``; a batch that did not pass that stage,
+    though ``setting`` needs it, is refused."""
+    value = getattr(batch, name)
+    if value is None:
         raise ValueError(
-            "trainer.advantage=gae but the batch has no token_advantages: it did not pass the "
-            "critic stage"
+            f"{setting} but the batch has no {name}: it did not pass the {stage} stage"
         )
-    return batch.token_advantages
-
-
-def _reference(batch: RolloutBatch) -> np.ndarray:
-    """The batch's reference log-probs; a batch that did not pass the reference is refused."""
-    if batch.ref_logprobs is None:
-        raise ValueError(
-            "trainer.kl_coef > 0 but the batch has no ref_logprobs: it did not pass the "
-            "reference stage"
-        )
-    return batch.ref_logprobs
+    return value
 
 
 def _drop_lengths(lengths: np.ndarray, keep: np.ndarray) -> dict[str, float]:
