@@ -10,11 +10,13 @@ to the generators. The stages, in the order a batch passes them:
 4. the reference policy, when ``trainer.kl_coef`` > 0;
 5. the critic, when ``trainer.advantage`` = gae.
 
-A script declares the extra parts and runs the pipeline under the same controller machinery as
-``relayrl train``: placement, the staleness gate, weight sync, tracing, failure recovery (a dead
-stage replica is replaced and its batch counted as lost), run checkpoints and the summary. The
-YAML workloads are this pipeline with nothing added: ``Pipeline(cfg).train(run_dir)`` is what
-``relayrl train`` runs for ``workload: llm``.
+The built-in stages are ``Stage`` declarations too (``config_stages`` makes them from a config),
+so a run is one list of stages and the workload has no branch per executor. A script declares
+the extra parts and runs the pipeline under the same controller machinery as ``relayrl train``:
+placement, the staleness gate, weight sync, tracing, failure recovery (a dead stage replica is
+replaced and its batch counted as lost), run checkpoints and the summary. The YAML workloads are
+this pipeline with nothing added: for ``workload: llm``, ``relayrl train`` runs
+``LLMWorkload(cfg)``, whose stages are ``config_stages(cfg)``, as ``Pipeline(cfg).workload()``.
 
 ::
 
@@ -50,10 +52,20 @@ from typing import Any
 from ray import cloudpickle
 
 from relayrl.config import Config, load_config
+from relayrl.executors.critic import Critic
+from relayrl.executors.reference import Reference
+from relayrl.executors.reward_model import RewardModel
+from relayrl.executors.rewarder import Rewarder
 from relayrl.observability.tracing import Span, Tracer
 from relayrl.types import RolloutBatch
 
-BUILT_IN_ROLES = ("trainer", "generator", "rewarder", "reward_model", "reference", "critic")
+BUILT_IN_STAGES: dict[str, type] = {
+    "rewarder": Rewarder,
+    "reward_model": RewardModel,
+    "reference": Reference,
+    "critic": Critic,
+}
+BUILT_IN_ROLES = ("trainer", "generator", *BUILT_IN_STAGES)
 
 
 class StageExecutor:
@@ -117,8 +129,14 @@ class StageExecutor:
 
 @dataclass(frozen=True)
 class Stage:
-    """A scoring stage of your own: ``replicas`` actors of ``cls`` (a ``StageExecutor``), each
-    built as ``cls(cfg, *args, **kwargs)``, with the Ray ``resources`` each needs."""
+    """A scoring stage: ``replicas`` actors of ``cls`` (a ``StageExecutor``), each built as
+    ``cls(cfg, *args, **kwargs)``, with the Ray ``resources`` each needs.
+
+    With ``start_policy`` its actors also load the policy as RL started: ``load(path)`` runs with
+    the run directory's copy (``start_policy/``) before their first ``score`` and in every
+    replacement, and on resume ``load_state_dict`` finds that directory under ``"path"``; the
+    reference and the critic are such stages. The built-in stages' names (``rewarder``,
+    ``reward_model``, ``reference``, ``critic``) go only with their own classes."""
 
     name: str
     cls: type
@@ -126,20 +144,59 @@ class Stage:
     resources: dict[str, float] = field(default_factory=dict)
     args: tuple = ()
     kwargs: dict[str, Any] = field(default_factory=dict)
+    start_policy: bool = False
 
     def __post_init__(self) -> None:
-        if not re.fullmatch(r"[a-z][a-z0-9_]*", self.name) or self.name in BUILT_IN_ROLES:
+        built_in = BUILT_IN_STAGES.get(self.name)
+        if built_in is not None:
+            if self.cls is not built_in:
+                raise ValueError(
+                    f"Stage name={self.name!r} is the built-in {self.name} stage "
+                    f"({built_in.__name__}); give yours another name"
+                )
+        elif not re.fullmatch(r"[a-z][a-z0-9_]*", self.name) or self.name in BUILT_IN_ROLES:
             raise ValueError(
                 f"Stage name={self.name!r}: use lowercase letters, digits and _, not one of the "
                 f"built-in roles {', '.join(BUILT_IN_ROLES)}"
             )
-        if not (isinstance(self.cls, type) and issubclass(self.cls, StageExecutor)):
+        elif not (isinstance(self.cls, type) and issubclass(self.cls, StageExecutor)):
             raise TypeError(
                 f"Stage {self.name!r}: cls={self.cls!r} must be a subclass of "
                 "relayrl.pipeline.StageExecutor"
             )
         if self.replicas < 1:
             raise ValueError(f"Stage {self.name!r}: replicas={self.replicas} must be >= 1")
+        if self.start_policy and not callable(getattr(self.cls, "load", None)):
+            raise TypeError(
+                f"Stage {self.name!r}: start_policy=True needs a load(path) method on "
+                f"{self.cls.__name__}"
+            )
+
+
+def config_stages(
+    cfg: Config,
+    stages: Sequence[Stage] = (),
+    rule: Callable[[str, str], float] | None = None,
+) -> tuple[Stage, ...]:
+    """A run's scoring stages in the order a batch passes them: the rewarder (scoring with
+    ``rule`` if given), ``stages``, then the reward model, the reference and the critic where the
+    config asks for them (the critic last: its advantages come from the final rewards)."""
+    chain = [
+        Stage("rewarder", Rewarder, cfg.rewarder.replicas, cfg.rewarder.resources, args=(rule,)),
+        *stages,
+    ]
+    if cfg.reward_model.path is not None:
+        rm = cfg.reward_model
+        chain.append(Stage("reward_model", RewardModel, rm.replicas, rm.resources))
+    if cfg.trainer.kl_coef > 0:
+        ref = cfg.reference
+        chain.append(Stage("reference", Reference, ref.replicas, ref.resources, start_policy=True))
+    if cfg.trainer.advantage == "gae":  # one critic: it learns, and two would learn apart
+        chain.append(Stage("critic", Critic, 1, cfg.critic.resources, start_policy=True))
+    names = [stage.name for stage in chain]
+    if len(set(names)) != len(names):
+        raise ValueError(f"stage names must be unique, got {names}")
+    return tuple(chain)
 
 
 def _ship_by_value(code: Any) -> None:
@@ -178,20 +235,16 @@ class Pipeline:
             cfg = load_config(None if config is None else Path(config), list(overrides))
         if cfg.workload != "llm":
             raise ValueError(f"Pipeline is the LLM pipeline; workload={cfg.workload!r}")
-        names = [s.name for s in stages]
-        if len(set(names)) != len(names):
-            raise ValueError(f"stage names must be unique, got {names}")
         self.cfg = cfg
-        self.stages = tuple(stages)
-        self.rule = rule
-        for code in [*(stage.cls for stage in self.stages), rule]:
+        self.stages = config_stages(cfg, stages, rule)  # every stage, the built-in ones too
+        for code in [*(stage.cls for stage in stages), rule]:
             _ship_by_value(code)
 
     def workload(self) -> Any:
         """The ``LLMWorkload`` that runs this pipeline."""
         from relayrl.workloads.llm import LLMWorkload
 
-        return LLMWorkload(self.cfg, stages=self.stages, rule=self.rule)
+        return LLMWorkload(self.cfg, stages=self.stages)
 
     def train(self, run_dir: str | Path, *, resume: bool = False) -> dict:
         """Run the pipeline in ``run_dir`` (or resume it there); returns the run summary."""

@@ -6,18 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import ray
 
 from relayrl.config import Config
-from relayrl.executors.critic import Critic
 from relayrl.executors.generator import Generator
-from relayrl.executors.reference import Reference
-from relayrl.executors.reward_model import RewardModel
-from relayrl.executors.rewarder import Rewarder
 from relayrl.executors.trainer import Trainer
 from relayrl.launch import (
     Group,
@@ -28,35 +24,35 @@ from relayrl.launch import (
     snapshot,
 )
 from relayrl.observability.metrics import MetricsLog, RunTally, say
+from relayrl.pipeline import Stage, config_stages
 from relayrl.recovery import DEATHS, Recovery, alive
-
-if TYPE_CHECKING:
-    from relayrl.pipeline import Stage
 
 
 class LLMWorkload:
-    """Roles ``trainer`` (ranks), ``generator``, ``rewarder``, and where configured
-    ``reward_model`` (``reward_model.path`` set), ``reference`` (``trainer.kl_coef`` > 0) and
-    ``critic`` (``trainer.advantage`` = gae, one actor), all replicas but the trainer.
+    """Roles ``trainer`` (ranks), ``generator`` (replicas), and one replica group per scoring
+    stage: ``stages`` (``relayrl.pipeline.Stage``), by default the config's own
+    (``config_stages``: the rewarder, and the reward model, reference and critic where
+    configured).
 
     The scoring stages (``scorers``) are role groups whose ``score`` takes the batch(es) the stage
     before returned and returns ``(summary, batch)``; the loops pass every batch through them in
-    order. The reference's weights are the trainer's version 0, saved in the run directory
-    (``start_policy/``) once the warm start is done; the critic's backbone starts from them too."""
+    order. Stages with ``start_policy`` (the reference, the critic) load the trainer's version 0,
+    saved in the run directory (``start_policy/``) once the warm start is done."""
 
     def __init__(
         self,
         cfg: Config,
         make_env: Any = None,
         *,
-        stages: Sequence[Stage] = (),
-        rule: Callable[[str, str], float] | None = None,
+        stages: Sequence[Stage] | None = None,
     ):
         if make_env is not None:
             raise ValueError("make_env is for workload=embodied; the LLM workload has no env")
         self.cfg = cfg
-        self.stage_specs = {stage.name: stage for stage in stages}
-        self.rule = rule
+        chain = config_stages(cfg) if stages is None else tuple(stages)
+        if not chain or chain[0].name != "rewarder":
+            raise ValueError("the first scoring stage must be the rewarder: see config_stages")
+        self.stage_specs = {stage.name: stage for stage in chain}
         replicas, lag = cfg.generator.replicas, cfg.generator.min_lag
         bound, knob = (lag, "generator.min_lag") if lag else (cfg.max_staleness, "max_staleness")
         if cfg.mode == "async" and replicas > bound + 1:
@@ -68,19 +64,20 @@ class LLMWorkload:
         self.placement: Placement | None = None
         self.trainer = Group("trainer", [])
         self.generators = Group("generator", [])
-        self.rewarders = Group("rewarder", [])
-        self.custom = [Group(name, []) for name in self.stage_specs]
-        self.reward_models = Group("reward_model", [])
-        self.references = Group("reference", [])
-        self.critics = Group("critic", [])
+        self.stage_groups = {name: Group(name, []) for name in self.stage_specs}
         self.start_path: str | None = None  # the policy as RL started, once saved
         self.run_dir: Path | None = None  # set by relayrl.job.train
         self.legend: dict[str, str] = {}  # learning-curve labels: the plot's defaults
         self.recovery: Recovery | None = None  # set once weight sync is connected
 
+    @property
+    def rewarders(self) -> Group:
+        """The rewarder replicas: the first stage, which also scores evaluations."""
+        return self.stage_groups["rewarder"]
+
     def place(self) -> None:
-        """Create the trainer ranks and the generator and rewarder replicas, and form the
-        trainer's process group."""
+        """Create the trainer ranks, the generator replicas and every stage's replicas, and form
+        the trainer's process group."""
         cfg = self.cfg
         self.placement = Placement(cfg, self.roles())
         at, ranks = self.placement.options, cfg.trainer.ranks
@@ -98,61 +95,29 @@ class LLMWorkload:
                 for i in range(cfg.generator.replicas)
             ],
         )
-        self.rewarders = Group(
-            "rewarder",
-            [
-                ray.remote(Rewarder).options(**at("rewarder", i)).remote(cfg, self.rule)
-                for i in range(cfg.rewarder.replicas)
-            ],
-        )
-        self.custom = [
-            Group(name, [self._stage_actor(name, i) for i in range(spec.replicas)])
+        self.stage_groups = {
+            name: Group(name, [self._stage_actor(name, i) for i in range(spec.replicas)])
             for name, spec in self.stage_specs.items()
-        ]
-        if cfg.reward_model.path is not None:
-            self.reward_models = Group(
-                "reward_model",
-                [
-                    ray.remote(RewardModel).options(**at("reward_model", i)).remote(cfg)
-                    for i in range(cfg.reward_model.replicas)
-                ],
-            )
-        if cfg.trainer.kl_coef > 0:
-            self.references = Group(
-                "reference",
-                [
-                    ray.remote(Reference).options(**at("reference", i)).remote(cfg)
-                    for i in range(cfg.reference.replicas)
-                ],
-            )
-        if cfg.trainer.advantage == "gae":  # one: it learns, and two would learn apart
-            self.critics = Group(
-                "critic", [ray.remote(Critic).options(**at("critic", 0)).remote(cfg)]
-            )
+        }
         form_trainer_group(self.trainer)
 
     def recreate(self, role: str, index: int, incarnation: int) -> Any:
-        """A new generator or rewarder replica in the bundle of replica ``index``; the
-        ``incarnation``-th replacement samples from seeds of its own."""
-        at, cfg = self.placement.options, self.cfg
+        """A new generator or stage replica in the bundle of replica ``index``; the
+        ``incarnation``-th generator replacement samples from seeds of its own, and a
+        ``start_policy`` stage's replacement loads the start policy again (a critic starts
+        learning again from it)."""
         if role == "generator":
-            replica = index + incarnation * cfg.generator.replicas
-            return ray.remote(Generator).options(**at(role, index)).remote(cfg, replica=replica)
-        if role == "rewarder":
-            return ray.remote(Rewarder).options(**at(role, index)).remote(cfg, self.rule)
-        if role in self.stage_specs:
-            return self._stage_actor(role, index)
-        if role == "reward_model":
-            return ray.remote(RewardModel).options(**at(role, index)).remote(cfg)
-        if role == "reference":
-            actor = ray.remote(Reference).options(**at(role, index)).remote(cfg)
+            replica = index + incarnation * self.cfg.generator.replicas
+            options = self.placement.options(role, index)
+            return ray.remote(Generator).options(**options).remote(self.cfg, replica=replica)
+        if role not in self.stage_specs:
+            raise ValueError(
+                f"a {role} is not replaced: only generator and scoring-stage replicas are"
+            )
+        actor = self._stage_actor(role, index)
+        if self.stage_specs[role].start_policy:
             actor.load.remote(self.start_path)  # runs before any score call
-            return actor
-        if role == "critic":  # starts again from the policy as RL started
-            actor = ray.remote(Critic).options(**at(role, index)).remote(cfg)
-            actor.load.remote(self.start_path)
-            return actor
-        raise ValueError(f"a {role} is not replaced: only generator and scoring-stage replicas are")
+        return actor
 
     def roles(self) -> dict[str, tuple[int, dict[str, float]]]:
         """Each role's actor count and the Ray resources each of its actors needs."""
@@ -160,28 +125,16 @@ class LLMWorkload:
         roles = {
             "trainer": (cfg.trainer.ranks, cfg.trainer.resources),
             "generator": (cfg.generator.replicas, cfg.generator.resources),
-            "rewarder": (cfg.rewarder.replicas, cfg.rewarder.resources),
         }
-        for name, spec in self.stage_specs.items():
-            roles[name] = (spec.replicas, spec.resources)
-        if cfg.reward_model.path is not None:
-            roles["reward_model"] = (cfg.reward_model.replicas, cfg.reward_model.resources)
-        if cfg.trainer.kl_coef > 0:
-            roles["reference"] = (cfg.reference.replicas, cfg.reference.resources)
-        if cfg.trainer.advantage == "gae":
-            roles["critic"] = (1, cfg.critic.resources)
-        return roles
+        return roles | {name: (s.replicas, s.resources) for name, s in self.stage_specs.items()}
 
     def groups(self) -> list[Group]:
         """Trainer ranks, generator replicas, then the scoring stages."""
         return [self.trainer, self.generators, *self.scorers()]
 
     def scorers(self) -> list[Group]:
-        """The scoring stages in the order a batch passes them: rewarders, the stages of your
-        own (``relayrl.pipeline.Stage``), then reward models, references and the critic where
-        placed (the critic last: its advantages come from the final rewards)."""
-        optional = [self.reward_models, self.references, self.critics]
-        return [self.rewarders, *self.custom] + [group for group in optional if group.actors]
+        """The scoring stages' groups in the order a batch passes them."""
+        return list(self.stage_groups.values())
 
     def _start_dir(self) -> Path:
         """Where the policy as RL started lives, for the reference and the critic:
@@ -191,8 +144,8 @@ class LLMWorkload:
         return Path(self.run_dir) / "start_policy"
 
     def _from_start(self) -> list[Group]:
-        """The placed groups that load the policy as RL started."""
-        return [group for group in (self.references, self.critics) if group.actors]
+        """The groups of the stages that load the policy as RL started."""
+        return [g for name, g in self.stage_groups.items() if self.stage_specs[name].start_policy]
 
     def _stage_actor(self, name: str, index: int) -> Any:
         """Replica ``index`` of the stage of your own called ``name``, in its bundle."""
