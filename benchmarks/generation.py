@@ -14,9 +14,9 @@ and number of new tokens, sampling at temperature 1 from the full distribution:
 Every row generates exactly ``--new-tokens`` tokens: EOS is never stopped at (the native engine is
 given an EOS id no token has; HF gets ``min_new_tokens``), so every system does the same work.
 tokens/s = batch x new tokens / seconds of the fastest of ``--repeats`` timed calls, after one
-untimed warm-up call; prefill is included. It also reports, per batch size, the mean and largest
-|mu_int8 - log pi_fp32| of the int8 engine's tokens (teacher-forced under the fp32 model): the
-precision part of the gap that AIPO's pi/mu corrects.
+untimed warm-up call; prefill is included. The systems take turns call by call. It also
+reports, per batch size, the mean and largest |mu_int8 - log pi_fp32| of the int8 engine's tokens
+(teacher-forced under the fp32 model): the precision part of the gap that AIPO's pi/mu corrects.
 
 With ``--train-steps`` (default: the config's ``steps``; 0 skips it) it then runs the config (by
 default ``configs/arith.yaml``, the default job) twice with ``relayrl.job.train``, with
@@ -92,12 +92,11 @@ def main(argv: list[str] | None = None) -> int:
     throughput: dict[str, dict[str, dict]] = {system: {} for system in args.systems}
     gaps: dict[str, dict] = {}
     for batch in args.batches:
+        times = time_generation(args.systems, models, prompts[:batch], args)
         for system in args.systems:
-            engine, precision = system.split("-")
-            times = time_generation(engine, models[precision], prompts[:batch], args)
             throughput[system][str(batch)] = {
-                "seconds": times,
-                "tokens_per_s": batch * args.new_tokens / min(times),
+                "seconds": times[system],
+                "tokens_per_s": batch * args.new_tokens / min(times[system]),
             }
             print(
                 f"[{NAME}] batch {batch:4d} {system:12s} "
@@ -168,21 +167,30 @@ def int8_copy(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def time_generation(
-    engine: str, model: torch.nn.Module, prompts: list[list[int]], args: argparse.Namespace
-) -> list[float]:
-    """Seconds of each timed call generating ``args.new_tokens`` for every prompt."""
-    run = {"native": _native, "hf": _hf}[engine]
-    run(model, prompts, 2)  # warm-up: first-call allocations and kernel choice
-    times = []
+    systems: list[str],
+    models: dict[str, torch.nn.Module],
+    prompts: list[list[int]],
+    args: argparse.Namespace,
+) -> dict[str, list[float]]:
+    """Seconds of each timed call generating ``args.new_tokens`` for every prompt, by system.
+    The systems take turns, call by call, so the noise of a shared machine falls on each alike."""
+    runs = {}
+    for system in systems:
+        engine, precision = system.split("-")
+        model, run = models[precision], {"native": _native, "hf": _hf}[engine]
+        run(model, prompts, 2)  # warm-up: first-call allocations and kernel choice
+        runs[system] = (run, model)
+    times: dict[str, list[float]] = {system: [] for system in systems}
     for _ in range(args.repeats):
-        start = time.perf_counter()
-        run(model, prompts, args.new_tokens)
-        times.append(time.perf_counter() - start)
+        for system, (run, model) in runs.items():
+            start = time.perf_counter()
+            run(model, prompts, args.new_tokens)
+            times[system].append(time.perf_counter() - start)
     return times
 
 
 def _native(model: torch.nn.Module, prompts: list[list[int]], new_tokens: int) -> None:
-    chunk = sample_chunk(model, prompts, new_tokens, eos_id=NEVER, pad_id=PAD)
+    chunk = sample_chunk(model, prompts, new_tokens, stop_ids=[NEVER], pad_id=PAD)
     assert all(len(t) == new_tokens for t in chunk.tokens)
 
 
@@ -211,7 +219,7 @@ def precision_gap(
     args: argparse.Namespace,
 ) -> dict:
     """|mu - log pi| over the int8 engine's sampled tokens, pi teacher-forced under fp32."""
-    chunk = sample_chunk(int8, prompts, args.new_tokens, eos_id=NEVER, pad_id=PAD)
+    chunk = sample_chunk(int8, prompts, args.new_tokens, stop_ids=[NEVER], pad_id=PAD)
     tokens = torch.tensor([p + t for p, t in zip(prompts, chunk.tokens, strict=True)])
     logits = fp32(tokens).logits[:, args.prompt_len - 1 : -1]
     logp = torch.log_softmax(logits.float(), -1).gather(-1, tokens[:, args.prompt_len :, None])
