@@ -551,6 +551,12 @@ class InferenceConfig(_Section):
         description="Inference-service replicas, each a weight-sync receiver; rollout workers "
         "are spread over them in turn.",
     )
+    early_drain: bool = Field(
+        True,
+        description="Receive new weights beside forward passes, into the receiver's second copy "
+        "(held anyway, so no extra memory); requests wait only for the pointer swap. false: "
+        "the whole transfer runs inside the model lock and stalls every request.",
+    )
     resources: dict[str, float] = _resources("inference-service")
 
 

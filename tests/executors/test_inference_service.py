@@ -280,3 +280,148 @@ def test_the_vla_policy_plugs_in():
         assert [r.version for r in replies] == [version] * 5
         assert np.array_equal(np.stack([r.actions for r in replies]), actions.numpy())
         np.testing.assert_allclose([r.value for r in replies], values.numpy(), atol=1e-5)
+
+
+class GatedTransfer:
+    """A disk weight-sync publisher whose receives block until the test releases them, to stand
+    for a slow transfer through the service's real receiver path."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, policy: torch.nn.Module):
+        from relayrl.weight_sync import disk
+
+        self.publisher = disk.Publisher(policy.state_dict(), ["service"], durable=False)
+        self.started, self.release = threading.Event(), threading.Event()
+        load_file = disk.load_file
+
+        def gated(path: str) -> dict:
+            self.started.set()
+            assert self.release.wait(10), "the test never released the transfer"
+            return load_file(path)
+
+        monkeypatch.setattr(disk, "load_file", gated)
+
+    async def attach(self, service: InferenceService) -> None:
+        await service.open_sync([self.publisher.address], "service")
+        await service.connect_sync()
+
+    def publish(self, version: int, scale: float):
+        return self.publisher.publish(version, {"scale": torch.tensor(scale)})
+
+
+def test_early_drain_serves_the_old_weights_during_a_slow_transfer_then_the_new(monkeypatch):
+    policy = EncodingPolicy()
+    transfer = GatedTransfer(monkeypatch, policy)
+
+    async def main():
+        service = InferenceService(policy, max_batch=2, max_wait_ms=0, early_drain=True)
+        await transfer.attach(service)
+        update = asyncio.create_task(service.update_weights(transfer.publish(1, 2.0)))
+        assert await asyncio.to_thread(transfer.started.wait, 10)
+        # The transfer is blocked: these are answered before it ends, by the old weights.
+        during = [await asyncio.wait_for(service.act(obs(p, p)), 10) for p in (1, 2, 3)]
+        assert not update.done()
+        transfer.release.set()
+        version = await update
+        return during, version, [await service.act(obs(p, p)) for p in (4, 5)]
+
+    during, version, after = asyncio.run(main())
+    assert version == 1
+    for reply, p in zip(during, (1, 2, 3), strict=True):
+        check(reply, p, p, scale=1.0)
+        assert reply.version == 0
+    for reply, p in zip(after, (4, 5), strict=True):
+        check(reply, p, p, scale=2.0)
+        assert reply.version == 1
+
+
+def test_without_early_drain_requests_wait_for_the_whole_transfer(monkeypatch):
+    policy = EncodingPolicy()
+    transfer = GatedTransfer(monkeypatch, policy)
+
+    async def main():
+        service = InferenceService(policy, max_batch=2, max_wait_ms=0, early_drain=False)
+        await transfer.attach(service)
+        update = asyncio.create_task(service.update_weights(transfer.publish(1, 2.0)))
+        assert await asyncio.to_thread(transfer.started.wait, 10)
+        during = [asyncio.create_task(service.act(obs(p, p))) for p in (1, 2, 3)]
+        await asyncio.sleep(0.05)
+        assert policy.log == []  # no forward pass while the transfer holds the model
+        transfer.release.set()
+        return await asyncio.gather(*during), await update
+
+    during, version = asyncio.run(main())
+    assert version == 1
+    for reply, p in zip(during, (1, 2, 3), strict=True):  # asked before the swap, served after
+        check(reply, p, p, scale=2.0)
+        assert reply.version == 1
+
+
+def test_early_drain_swaps_after_the_forward_in_flight_and_holds_new_batches(monkeypatch):
+    policy = GatedPolicy()
+    transfer = GatedTransfer(monkeypatch, policy)
+    transfer.release.set()  # only the forward pass is gated
+
+    async def main():
+        service = InferenceService(policy, max_batch=3, max_wait_ms=20, early_drain=True)
+        await transfer.attach(service)
+        first = [asyncio.create_task(service.act(obs(p, p))) for p in (1, 2, 3)]
+        assert await asyncio.to_thread(policy.started.wait, 10)
+        update = asyncio.create_task(service.update_weights(transfer.publish(1, 2.0)))
+        later = [asyncio.create_task(service.act(obs(p, p))) for p in (4, 5)]
+        await asyncio.sleep(0.05)
+        assert not update.done()  # the transfer is done; the swap waits for the forward
+        policy.release.set()
+        return await asyncio.gather(*first), await update, await asyncio.gather(*later)
+
+    first, version, later = asyncio.run(main())
+    assert version == 1
+    for reply, p in zip(first, (1, 2, 3), strict=True):
+        check(reply, p, p, scale=1.0)
+        assert reply.version == 0
+    for reply, p in zip(later, (4, 5), strict=True):
+        check(reply, p, p, scale=2.0)
+        assert reply.version == 1
+    assert policy.log == [
+        ("start", 1.0, 3, False),
+        ("end", 1.0),
+        ("start", 2.0, 2, False),
+        ("end", 2.0),
+    ]
+
+
+@pytest.mark.parametrize("early_drain", [True, False])
+def test_every_reply_carries_the_version_of_the_weights_received(monkeypatch, early_drain):
+    policy = SlowPolicy()
+    transfer = GatedTransfer(monkeypatch, policy)
+    transfer.release.set()
+
+    async def main():
+        service = InferenceService(policy, max_batch=4, max_wait_ms=1, early_drain=early_drain)
+        await transfer.attach(service)
+        rng = random.Random(0)
+
+        async def caller(c: int) -> list:
+            out = []
+            for j in range(6):
+                await asyncio.sleep(rng.random() * 0.004)
+                out.append((await service.act(obs(c, j)), c, j))
+            return out
+
+        async def trainer() -> None:
+            for version in (1, 2, 3):
+                await asyncio.sleep(0.01)
+                await service.update_weights(transfer.publish(version, version + 1.0))
+            await service.set_weights({"scale": torch.tensor(5.0)}, 4)
+
+        *results, _ = await asyncio.gather(*(caller(c) for c in range(8)), trainer())
+        last = await service.act(obs(1, 1))
+        return [r for rs in results for r in rs], last
+
+    replies, last = asyncio.run(main())
+    for reply, pixel, step in replies:
+        check(reply, pixel, step, scale=reply.version + 1.0)
+    check(last, 1, 1, scale=5.0)
+    assert last.version == 4
+    # no forward pass ran on a mix: each one's start and end saw the same weights
+    starts = [e[1] for e in policy.log if e[0] == "start"]
+    assert starts == [e[1] for e in policy.log if e[0] == "end"]

@@ -16,6 +16,27 @@ def test_busy_seconds_clips_spans_to_the_window():
     assert busy_seconds(spans, 10.0, 11.0) == 0.0
 
 
+def test_busy_seconds_counts_overlapping_spans_once():
+    # a weight transfer [1, 5] beside forward passes [0, 2] and [3, 4]: busy over [0, 5]
+    spans = [Span("forward", 0.0, 2.0, 0), Span("update_weights", 1.0, 5.0, 1)]
+    spans.append(Span("forward", 3.0, 4.0, 0))
+    assert busy_seconds(spans, 0.0, 10.0) == 5.0
+    assert busy_seconds(spans, 1.5, 3.5) == 2.0
+
+
+def test_chrome_trace_puts_overlapping_spans_on_rows_of_their_own():
+    busy = [Span("forward", 0.0, 2.0, 0), Span("update_weights", 1.0, 5.0, 1)]
+    busy.append(Span("forward", 3.0, 4.0, 0))
+    trace = chrome_trace({"inference_service": (busy, [])}, origin=0.0)
+    rows = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
+    assert sorted(rows.values()) == ["wait", "work", "work 2"]
+    by_row: dict[str, list[str]] = {}
+    for e in trace["traceEvents"]:
+        if e["ph"] == "X":
+            by_row.setdefault(rows[e["tid"]], []).append(e["name"])
+    assert by_row == {"work": ["forward", "forward"], "work 2": ["update_weights"]}
+
+
 def test_tracer_records_spans_with_versions_and_skips_tiny_waits():
     tracer = Tracer("gen")
     with tracer.span("generate", version=3):

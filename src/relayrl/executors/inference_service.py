@@ -6,11 +6,20 @@ arrived, and answered by one forward pass. The service is an asyncio object: as 
 an async actor (Ray runs its methods as coroutines on one event loop), and the forward pass runs in
 a worker thread so that the loop keeps accepting requests while the policy computes.
 
-Weight swaps drain: ``set_weights`` (weights passed in) and ``update_weights`` (a ticket of the
-trainer's weight-sync publisher, see ``relayrl.weight_sync``) wait for the forward pass in flight,
-hold new batches, load the weights and bump the version. Forward passes and weight loads take
-turns on one lock, so no forward ever runs on a mix of two versions, and every reply carries the
-version that computed it.
+Weight swaps drain: no forward pass ever runs on a mix of two versions, and every reply carries
+the version of the weights that computed it. ``set_weights`` (weights passed in) waits for the
+forward pass in flight, holds new batches, loads the weights and bumps the version: forward passes
+and weight loads take turns on one lock.
+
+``update_weights`` takes a ticket of the trainer's weight-sync publisher (see
+``relayrl.weight_sync``). The receiver holds two copies of the weights: the model serves one while
+the transfer fills the other (the staging slot), then a swap rebinds the model's tensors to it.
+With ``early_drain`` (the default) the transfer runs in a thread of its own while forward passes
+go on with the old weights; only the swap waits for the forward pass in flight and holds new ones,
+and it only rebinds pointers. Without it the whole transfer happens inside the model lock, as
+``set_weights`` does, so every request that arrives meanwhile waits for the transfer. Either way
+the staging slot is the receiver's second copy, which it holds anyway: the early drain costs no
+memory, only the CPU (or bandwidth) the transfer takes from forward passes it overlaps.
 """
 
 from __future__ import annotations
@@ -78,7 +87,8 @@ class InferenceService:
     long the oldest waiting request may wait for others before its batch is flushed anyway (0
     flushes whatever is waiting at once). ``version`` is the policy version of the initial weights.
     ``threads`` sets torch's intra-op threads for the forward pass (None leaves torch's setting).
-    ``sync_timeout_s`` bounds a weight-sync receive (see ``open_sync``).
+    ``sync_timeout_s`` bounds a weight-sync receive (see ``open_sync``). ``early_drain`` runs
+    weight-sync transfers beside forward passes, which then wait only for the swap (see above).
     """
 
     name = "inference_service"
@@ -92,6 +102,7 @@ class InferenceService:
         version: int = 0,
         threads: int | None = None,
         sync_timeout_s: float = 60.0,
+        early_drain: bool = True,
         seed: int = 0,
     ):
         if max_batch < 1:
@@ -106,16 +117,21 @@ class InferenceService:
         self.version = version
         self.generator = torch.Generator().manual_seed(seed)  # action sampling; checkpointed
         self.tracer = Tracer(self.name)
-        # One thread: forwards and weight loads never run at the same time anyway (the lock), and
-        # a single thread keeps torch's thread pool from being oversubscribed.
+        # One thread for forwards and weight loads, which never run at the same time anyway (the
+        # model lock), so that torch's thread pool is not oversubscribed; weight-sync transfers
+        # get their own, to overlap forwards under the early drain.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inference")
+        self._sync_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inference-sync")
         self._pending: deque[_Request] = deque()
         self._arrived: asyncio.Event | None = None
-        self._model_lock: asyncio.Lock | None = None
+        self._model_lock: asyncio.Lock | None = None  # forward passes and blocking weight loads
+        self._weights_lock: asyncio.Lock | None = None  # one weight change at a time
         self._batcher: asyncio.Task | None = None
         self.sync_timeout_s = sync_timeout_s
+        self.early_drain = early_drain
         self.receiver = None
         self.sync_receive: list[float] = []  # per received publish, in order
+        self.sync_drain: list[float] = []  # of each: the swap's wait for the forward in flight
         self._reported: dict[int, int] = {}  # rollout worker id -> env steps at its last request
         self._reset_counters()
 
@@ -157,7 +173,11 @@ class InferenceService:
         if version < self.version:
             raise ValueError(f"version must not go backwards: got {version}, have {self.version}")
         self._ensure_batcher()
-        async with self._model_lock:
+        async with self._weights_lock, self._model_lock:
+            if version < self.version:
+                raise ValueError(
+                    f"version must not go backwards: got {version}, have {self.version}"
+                )
             with self.tracer.span("set_weights", version):
                 await asyncio.get_running_loop().run_in_executor(
                     self._executor, _load, self.policy, state_dict
@@ -173,26 +193,36 @@ class InferenceService:
 
     async def connect_sync(self) -> None:
         """Rendezvous with the publisher (it calls its ``connect_sync`` meanwhile)."""
-        await asyncio.get_running_loop().run_in_executor(self._executor, self.receiver.connect)
+        await asyncio.get_running_loop().run_in_executor(self._sync_executor, self.receiver.connect)
 
     async def update_weights(self, *tickets: Ticket) -> int:
-        """Take the published version of ``tickets`` (one per trainer rank), draining like
-        ``set_weights``; returns it."""
-        ticket = tickets[0]
+        """Take the published version of ``tickets`` (one per trainer rank); returns it once it
+        serves it. With ``early_drain`` forward passes go on during the transfer and wait only for
+        the swap; without, they wait for the whole transfer, as for ``set_weights``."""
+        version = tickets[0].version
         if self.receiver is None:
             raise RuntimeError("call open_sync() before update_weights()")
-        if ticket.version < self.version:
-            raise ValueError(
-                f"version must not go backwards: got {ticket.version}, have {self.version}"
-            )
         self._ensure_batcher()
-        async with self._model_lock:
-            with self.tracer.span("update_weights", ticket.version):
-                stats = await asyncio.get_running_loop().run_in_executor(
-                    self._executor, self.receiver.receive, tickets
+        loop = asyncio.get_running_loop()
+        async with self._weights_lock:
+            if version < self.version:
+                raise ValueError(
+                    f"version must not go backwards: got {version}, have {self.version}"
                 )
-                self.version = ticket.version
+            if self.early_drain:
+                with self.tracer.span("update_weights", version):
+                    stats = await loop.run_in_executor(
+                        self._sync_executor, self.receiver.receive, tickets
+                    )
+            else:
+                async with self._model_lock:
+                    with self.tracer.span("update_weights", version):
+                        stats = await loop.run_in_executor(
+                            self._executor, self.receiver.receive, tickets
+                        )
+            self.version = version
         self.sync_receive.append(stats.total_s)
+        self.sync_drain.append(stats.drain_s)
         return self.version
 
     async def reported(self, worker: int) -> int | None:
@@ -207,8 +237,9 @@ class InferenceService:
         self._reported[worker] = env_steps
 
     async def sync_stats(self) -> dict:
-        """Receiver-side seconds of every receive, in order, from ticket to serving it."""
-        return {"receive_s": list(self.sync_receive)}
+        """Receiver-side seconds of every receive, in order, from ticket to serving it, and of
+        each the part its swap waited for the forward pass in flight."""
+        return {"receive_s": list(self.sync_receive), "drain_s": list(self.sync_drain)}
 
     async def stats(self) -> dict:
         """Counters since the last ``reset_stats``: requests, forwards, busy seconds, the batch-size
@@ -266,6 +297,7 @@ class InferenceService:
         _fail(list(self._pending), RuntimeError("inference service closed"))
         self._pending.clear()
         self._executor.shutdown(wait=False)
+        self._sync_executor.shutdown(wait=False)
 
     def _ensure_batcher(self) -> None:
         # Started lazily on the loop that serves the calls: a Ray actor's __init__ runs outside it.
@@ -274,6 +306,7 @@ class InferenceService:
             return
         self._arrived = asyncio.Event()
         self._model_lock = asyncio.Lock()
+        self._weights_lock = asyncio.Lock()
         self._batcher = loop.create_task(self._batch_loop(), name="inference-batcher")
 
     async def _batch_loop(self) -> None:
@@ -308,18 +341,13 @@ class InferenceService:
 
     async def _forward(self, requests: list[_Request], *, greedy: bool) -> list[ActReply]:
         async with self._model_lock:
-            version = self.version
-            start = time.monotonic()
-            with self.tracer.span("forward", version):
-                actions, logprobs, values = await asyncio.get_running_loop().run_in_executor(
-                    self._executor,
-                    _run_policy,
-                    self.policy,
-                    [r.obs for r in requests],
-                    greedy,
-                    self.generator,
-                )
+            start, began = time.monotonic(), time.time()
+            version, actions, logprobs, values = await asyncio.get_running_loop().run_in_executor(
+                self._executor, self._serve, [r.obs for r in requests], greedy
+            )
             end = time.monotonic()
+            # Recorded once done: under the early drain its version is known only inside.
+            self.tracer.record("forward", began, time.time(), version)
         self._forwards += 1
         self._busy_s += end - start
         self._batch_sizes[len(requests)] += 1
@@ -332,6 +360,20 @@ class InferenceService:
             ActReply(actions[i], logprobs[i], float(values[i]), version)
             for i in range(len(requests))
         ]
+
+    def _serve(
+        self, observations: list[Observation], greedy: bool
+    ) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
+        """One forward pass on weights that no swap changes meanwhile: (their version, actions,
+        logprobs, values), as ``_run_policy``."""
+        if self.receiver is None:
+            return self.version, *_run_policy(self.policy, observations, greedy, self.generator)
+        with self.receiver.serving() as received:
+            # A receive's swap sets the receiver's version with the weights, atomically;
+            # set_weights and the initial weights set only ours (under the model lock, which
+            # this forward holds). Versions never go backwards, so the newer is what serves.
+            version = max(received, self.version)
+            return version, *_run_policy(self.policy, observations, greedy, self.generator)
 
 
 def _fail(requests: list[_Request], err: Exception) -> None:

@@ -48,6 +48,10 @@ class Tracer:
         finally:
             self._add(self.spans, Span(name, start, time.time(), version))
 
+    def record(self, name: str, start: float, end: float, version: int = -1) -> None:
+        """Record a busy span that already happened (one whose version is known only at its end)."""
+        self._add(self.spans, Span(name, start, end, version))
+
     def wait(self, name: str, start: float, end: float, version: int = -1) -> None:
         """Record an idle wait (e.g. on a channel) that already happened; waits under
         ``MIN_WAIT_S`` are not worth a trace event."""
@@ -66,9 +70,16 @@ class Tracer:
 
 
 def busy_seconds(spans: list[Span], since: float, until: float) -> float:
-    """Seconds the spans cover inside the window [since, until] (an executor's spans never overlap:
-    Ray runs one call of an actor at a time)."""
-    return sum(max(0.0, min(s.end, until) - max(s.start, since)) for s in spans)
+    """Seconds inside the window [since, until] that at least one span covers. An executor's
+    spans may overlap: an inference service's weight transfer runs beside its forward passes
+    under the early drain."""
+    total, reached = 0.0, since
+    for s in sorted(spans, key=lambda s: s.start):
+        start, end = max(s.start, reached), min(s.end, until)
+        if end > start:
+            total += end - start
+            reached = end
+    return total
 
 
 def chrome_trace(tracers: dict[str, tuple[list[Span], list[Span]]], origin: float) -> dict:
@@ -80,8 +91,12 @@ def chrome_trace(tracers: dict[str, tuple[list[Span], list[Span]]], origin: floa
     events: list[dict] = []
     for pid, (executor, (busy, waits)) in enumerate(sorted(tracers.items()), start=1):
         events.append(_meta("process_name", pid, 0, executor))
-        for tid, (label, spans) in enumerate((("work", busy), ("wait", waits)), start=1):
-            events.append(_meta("thread_name", pid, tid, label))
+        lanes = _lanes(busy)
+        rows = [
+            ("work" if i == 0 else f"work {i + 1}", "work", lane) for i, lane in enumerate(lanes)
+        ]
+        for tid, (row, label, spans) in enumerate([*rows, ("wait", "wait", waits)], start=1):
+            events.append(_meta("thread_name", pid, tid, row))
             for s in spans:
                 events.append(
                     {
@@ -96,6 +111,19 @@ def chrome_trace(tracers: dict[str, tuple[list[Span], list[Span]]], origin: floa
                     }
                 )
     return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def _lanes(spans: list[Span]) -> list[list[Span]]:
+    """The spans on as few rows as keep each row free of overlaps (trace viewers nest the slices
+    of one row): one row unless some overlap, as a weight transfer under the early drain does."""
+    lanes: list[list[Span]] = [[]]
+    for span in sorted(spans, key=_start):
+        lane = next((lane for lane in lanes if not lane or lane[-1].end <= span.start), None)
+        if lane is None:
+            lane = []
+            lanes.append(lane)
+        lane.append(span)
+    return lanes
 
 
 def collect_spans(

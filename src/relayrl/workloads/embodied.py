@@ -145,6 +145,7 @@ class EmbodiedWorkload:
                 max_wait_ms=cfg.inference.max_wait_ms,
                 threads=cfg.ray.threads_per_executor,
                 sync_timeout_s=cfg.sync.timeout_s,
+                early_drain=cfg.inference.early_drain,
                 seed=cfg.run.seed + SERVICE_SEED + i + incarnation * cfg.inference.replicas,
             )
         )

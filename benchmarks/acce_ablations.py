@@ -1,0 +1,463 @@
+"""Ablations of AcceRL's systems mechanisms, one subcommand each (``ABLATIONS``).
+
+``g3``: the inference service's early drain (``inference.early_drain``). A new weight version is
+received beside the forward passes, which wait only for the pointer swap; without it the whole
+transfer runs inside the model lock and every request that arrives meanwhile waits for it.
+
+The real ``InferenceService`` runs as a Ray async actor with the real ``VLAPolicy`` built from
+``configs/babyai.yaml``; a trainer stand-in actor publishes its weights through the real
+weight-sync transport (``--transport``, dist by default: gloo pairs, the cross-host path, where a
+receive takes time; same-host shm binds the trainer's slot without copying, so there is no
+transfer to hide). N caller actors, separate processes like rollout workers, each loop: one
+``act`` with a BabyAI observation, then a simulated env step (``--env-ms``). Both arms run in
+one run on the same service, publisher and callers: the run is cut into ``2 x --swaps`` slots of
+``--period`` seconds, the arms alternate slot by slot (the flag is set between swaps), and in
+each slot the trainer publishes once, half a period in. Per arm:
+
+- request latency as a caller sees it (the Ray round trip), p50 and p95 over the arm's slots;
+- p95 of the requests in flight while a swap is (sent before the service serves the new version
+  and answered after the publish began), and of the others;
+- the trainer-side sync wait: from the start of ``publish`` until ``update_weights`` returns,
+  i.e. the service serves the new version; and the receiver's split of it (transfer, and the
+  swap's wait for the forward pass in flight).
+
+On CPU a dense policy large enough for a long transfer would also take seconds per forward
+pass, unlike a VLA on a GPU (weights of GBs over NCCL, forward passes of tens of ms). So by
+default the policy is babyai.yaml's with ``d_model`` 128 and an instruction-embedding table of
+``--hash-buckets`` rows: two sizes, ~100 and ~400 MB of weights, a few ms per forward pass each.
+The gain grows with the transfer's length against a forward pass's; on a CPU machine it is also
+bounded by the CPU the transfer takes from the forward passes it overlaps.
+
+Run from the repository root::
+
+    python benchmarks/acce_ablations.py g3                        # 6 swaps per arm, dist
+    python benchmarks/acce_ablations.py g3 --swaps 2 --period 1   # a quick look
+    python benchmarks/acce_ablations.py g3 --transport object_store vla.d_model=256
+
+It writes ``benchmarks/results/acce_ablations_g3.json`` and ``.png`` (with the command line, the
+machine and the git state) and prints a Markdown table for ``docs/benchmarks.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import os
+import shlex
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # benchmark machines have no display
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import ray  # noqa: E402
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import git_state, machine, relative, save_result  # noqa: E402
+from inference_service import policy_shape, record_observations  # noqa: E402
+
+from relayrl.config import Config, load_config  # noqa: E402
+from relayrl.envs.embodied import Observation  # noqa: E402
+from relayrl.envs.latency import DELAYS  # noqa: E402
+from relayrl.executors.inference_service import InferenceService  # noqa: E402
+from relayrl.launch import start_ray, vla_config  # noqa: E402
+from relayrl.models.vla import VLAConfig, VLAPolicy  # noqa: E402
+from relayrl.weight_sync import TRANSPORTS, Ticket  # noqa: E402
+from relayrl.weight_sync.base import TrainerSide  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+ARMS = {"early drain": True, "lock": False}  # arm -> inference.early_drain
+WORKER_NICENESS = "RAY_worker_niceness"
+SERVICE = "inference_service"
+
+
+class Caller:
+    """A stand-in rollout worker: ask for an action, 'step' for a drawn time, repeat."""
+
+    def __init__(self, observations: list[Observation], env_dist: str, env_ms: float):
+        self.observations = observations
+        self.env_dist, self.env_ms = env_dist, env_ms
+
+    def run(self, service, end_at: float, seed: int) -> list[tuple[float, float, int]]:
+        """Loop until ``end_at`` (wall clock); (sent at, round-trip seconds, reply version) of
+        every request."""
+        rng = np.random.default_rng(seed)
+        out, i = [], int(rng.integers(len(self.observations)))
+        while (sent_at := time.time()) < end_at:
+            start = time.perf_counter()
+            reply = ray.get(service.act.remote(self.observations[i % len(self.observations)]))
+            out.append((sent_at, time.perf_counter() - start, reply.version))
+            i += 1
+            if self.env_ms > 0:
+                time.sleep(DELAYS[self.env_dist](rng, self.env_ms, 1.0) / 1000.0)
+        return out
+
+
+class TrainerStandIn:
+    """The trainer's half of weight sync (``TrainerSide``, as the real trainer uses it) over a
+    policy's weights, nudged before each publish so that every version differs."""
+
+    def __init__(self, vla: VLAConfig, seed: int):
+        torch.manual_seed(seed)
+        self.model = VLAPolicy(vla)
+        self.side = TrainerSide(timeout_s=60.0, bucket_bytes=256 << 20, streams=2, in_place=False)
+
+    def open(self, transport: str) -> dict:
+        """Open the publisher for the service; its address."""
+        return self.side.open(TRANSPORTS[transport], self.model, [SERVICE], "127.0.0.1")
+
+    def connect(self) -> None:
+        """Rendezvous with the service's receiver."""
+        self.side.publisher.connect()
+
+    def publish(self, version: int) -> Ticket:
+        """Publish the weights as ``version``."""
+        with torch.no_grad():
+            self.model.action_head.bias.add_(1e-3)
+        return self.side.publish(version, self.model.state_dict())
+
+    def close(self) -> None:
+        """Close the publisher."""
+        self.side.close()
+
+
+def g3(args: argparse.Namespace) -> tuple[dict, list]:
+    """Early drain against the model lock, alternating slot by slot, for each policy size: the
+    result, and per size every request (sent at, seconds, version) for the plot (too many for
+    the JSON)."""
+    cfg = load_config(args.config, args.overrides)
+    observations = record_observations(cfg)
+    shape = policy_shape(cfg)
+    threads = args.threads or cfg.ray.threads_per_executor
+    # Every part of the benchmark is a Ray worker; at Ray's default nice 15 any other process on
+    # the machine would take their CPU first.
+    os.environ[WORKER_NICENESS] = "0"
+    start_ray(cfg)
+    sizes, raw = [], []
+    try:
+        for buckets in args.hash_buckets:
+            vla = dataclasses.replace(vla_config(cfg, *shape), hash_buckets=buckets)
+            print(f"[g3] hash_buckets={buckets}", file=sys.stderr)
+            swaps, requests = g3_size(args, cfg, vla, observations, threads)
+            policy = VLAPolicy(vla)
+            state = policy.state_dict().values()
+            sizes.append(
+                {
+                    "hash_buckets": buckets,
+                    "parameters": sum(p.numel() for p in policy.parameters()),
+                    "megabytes": sum(t.numel() * t.element_size() for t in state) / 1e6,
+                    "vla": dataclasses.asdict(vla),
+                    "swaps": swaps,
+                    "arms": {arm: summarize(arm, swaps, requests) for arm in ARMS},
+                }
+            )
+            raw.append(requests)
+    finally:
+        ray.shutdown()
+    return {
+        "settings": {
+            "config": relative(str(args.config)),
+            "overrides": [relative(item) for item in args.overrides],
+            "transport": args.transport,
+            "swaps_per_arm": args.swaps,
+            "period_s": args.period,
+            "callers": args.callers,
+            "env": {"dist": args.env_dist, "mean_ms": args.env_ms},
+            "threads": threads,
+            "max_batch": cfg.inference.max_batch,
+            "max_wait_ms": cfg.inference.max_wait_ms,
+        },
+        "sizes": sizes,
+    }, raw
+
+
+def g3_size(
+    args: argparse.Namespace,
+    cfg: Config,
+    vla: VLAConfig,
+    observations: list[Observation],
+    threads: int,
+) -> tuple[list[dict], list[tuple[float, float, int]]]:
+    """Both arms on one service, publisher and set of callers: every swap, every request."""
+    torch.manual_seed(cfg.run.seed)
+    service = ray.remote(num_cpus=0, max_restarts=0)(InferenceService).remote(
+        VLAPolicy(vla),
+        max_batch=cfg.inference.max_batch,
+        max_wait_ms=cfg.inference.max_wait_ms,
+        threads=threads,
+        sync_timeout_s=cfg.sync.timeout_s,
+    )
+    trainer = ray.remote(num_cpus=0, max_restarts=0)(TrainerStandIn).remote(vla, cfg.run.seed)
+    caller = ray.remote(num_cpus=0, max_restarts=0)(Caller)
+    callers = [caller.remote(observations, args.env_dist, args.env_ms) for _ in range(args.callers)]
+    try:
+        address = ray.get(trainer.open.remote(args.transport))
+        ray.get(service.open_sync.remote([address], SERVICE))
+        ray.get([trainer.connect.remote(), service.connect_sync.remote()])
+        # The first receive and torch's first calls on each batch shape stay out of the slots.
+        ray.get(service.update_weights.remote(trainer.publish.remote(0)))
+        ray.get(service.act_batch.remote(observations[: cfg.inference.max_batch]))
+        ray.get(service.act.remote(observations[0]))
+        ray.get([handle.__ray_ready__.remote() for handle in callers])
+        slots = [arm for _ in range(args.swaps) for arm in ARMS]
+        start_at = time.time() + args.warmup
+        end_at = start_at + len(slots) * args.period
+        runs = [c.run.remote(service, end_at, seed) for seed, c in enumerate(callers)]
+        swaps = []
+        for i, arm in enumerate(slots):
+            slot_start = start_at + i * args.period
+            _sleep_until(slot_start)
+            ray.get(service.__ray_call__.remote(_set_early_drain, ARMS[arm]))
+            _sleep_until(slot_start + args.period / 2)
+            began = time.time()
+            ticket = trainer.publish.remote(i + 1)
+            version = ray.get(service.update_weights.remote(ticket))
+            swaps.append(
+                {
+                    "arm": arm,
+                    "version": version,
+                    "slot": [slot_start, slot_start + args.period],
+                    "publish_at": began,
+                    "served_at": time.time(),
+                    "stall_s": ray.get(ticket).stall_s,
+                }
+            )
+        requests = [r for run in ray.get(runs) for r in run]
+        receiver = ray.get(service.sync_stats.remote())
+        ray.get(service.close.remote())
+        ray.get(trainer.close.remote())
+    finally:
+        for handle in [service, trainer, *callers]:
+            ray.kill(handle)
+    for swap, receive_s, drain_s in zip(
+        swaps, receiver["receive_s"][1:], receiver["drain_s"][1:], strict=True
+    ):
+        swap["sync_wait_s"] = swap["served_at"] - swap["publish_at"]
+        swap["receive_s"], swap["drain_s"] = receive_s, drain_s
+    return swaps, requests
+
+
+def _set_early_drain(service: InferenceService, on: bool) -> None:
+    """Flip the arm (run inside the actor through ``__ray_call__``, between swaps)."""
+    service.early_drain = on
+
+
+def _sleep_until(when: float) -> None:
+    time.sleep(max(0.0, when - time.time()))
+
+
+def summarize(arm: str, swaps: list[dict], requests: list[tuple[float, float, int]]) -> dict:
+    """One arm's latency percentiles (all, during a swap, the rest) and sync waits; ``stale``
+    counts replies sent after a swap was served that carry an older version (must be 0)."""
+    mine = [s for s in swaps if s["arm"] == arm]
+    all_ms, during_ms, other_ms, stale = [], [], [], 0
+    for sent, took, version in requests:
+        swap = next((s for s in mine if s["slot"][0] <= sent < s["slot"][1]), None)
+        if swap is None:
+            continue
+        all_ms.append(took * 1e3)
+        overlaps = sent < swap["served_at"] and sent + took > swap["publish_at"]
+        (during_ms if overlaps else other_ms).append(took * 1e3)
+        stale += sent >= swap["served_at"] and version < swap["version"]
+    waits = np.asarray([s["sync_wait_s"] for s in mine]) * 1e3
+    return {
+        "swaps": len(mine),
+        "requests": len(all_ms),
+        "requests_during_swap": len(during_ms),
+        "latency_ms": _percentiles(all_ms),
+        "during_swap_ms": _percentiles(during_ms),
+        "outside_swap_ms": _percentiles(other_ms),
+        "sync_wait_ms": {"mean": float(waits.mean()), "max": float(waits.max())},
+        "receive_ms_mean": 1e3 * float(np.mean([s["receive_s"] for s in mine])),
+        "drain_ms_mean": 1e3 * float(np.mean([s["drain_s"] for s in mine])),
+        "publish_stall_ms_mean": 1e3 * float(np.mean([s["stall_s"] for s in mine])),
+        "stale": int(stale),
+    }
+
+
+def _percentiles(ms: list[float]) -> dict[str, float]:
+    if not ms:
+        return {"p50": 0.0, "p95": 0.0, "max": 0.0}
+    values = np.asarray(ms)
+    return {
+        "p50": float(np.percentile(values, 50)),
+        "p95": float(np.percentile(values, 95)),
+        "max": float(values.max()),
+    }
+
+
+def g3_plot(result: dict, raw: list, path: Path) -> Path:
+    """Latency of every request against time around its slot's swap, one panel per arm (the
+    largest policy), and the percentiles and sync waits of every size."""
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
+    colors = dict(zip(ARMS, ("tab:green", "tab:red"), strict=True))
+    size, requests = result["sizes"][-1], raw[-1]
+    for arm, ax in zip(ARMS, axes[:2], strict=True):
+        for swap in (s for s in size["swaps"] if s["arm"] == arm):
+            xs, ys = [], []
+            for sent, took, _ in requests:
+                if swap["slot"][0] <= sent < swap["slot"][1]:
+                    xs.append(1e3 * (sent - swap["publish_at"]))
+                    ys.append(1e3 * took)
+            ax.plot(xs, ys, ".", ms=3, color=colors[arm], alpha=0.5)
+            ax.axvspan(0, 1e3 * swap["sync_wait_s"], color=colors[arm], alpha=0.05)
+        ax.set_yscale("log")
+        ax.set_xlim(-400, 600)
+        ax.set_xlabel("request sent, ms after publish began (shaded: until served)")
+        ax.set_ylabel("round trip (ms)")
+        ax.set_title(f"{arm}, {size['megabytes']:.0f} MB: every request of its swaps", fontsize=10)
+    bars = axes[2]
+    keys = [
+        ("p95", lambda a: a["latency_ms"]["p95"]),
+        ("p95 in swap", lambda a: a["during_swap_ms"]["p95"]),
+        ("sync wait", lambda a: a["sync_wait_ms"]["mean"]),
+    ]
+    groups = [
+        (f"{name}\n{s['megabytes']:.0f} MB", get, s) for s in result["sizes"] for name, get in keys
+    ]
+    width = 0.8 / len(ARMS)
+    for k, arm in enumerate(ARMS):
+        values = [get(s["arms"][arm]) for _, get, s in groups]
+        bars.bar(np.arange(len(groups)) + k * width, values, width, label=arm, color=colors[arm])
+    bars.set_xticks(
+        np.arange(len(groups)) + width / 2, [label for label, _, _ in groups], fontsize=7
+    )
+    bars.set_ylabel("ms")
+    bars.legend()
+    bars.set_title("act latency, and the trainer's sync wait (mean)", fontsize=10)
+    settings = result["settings"]
+    fig.suptitle(
+        f"G.3 early drain: VLA policy over {settings['transport']}, {settings['callers']} callers, "
+        f"{settings['swaps_per_arm']} swaps per arm and size",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def g3_table(result: dict) -> str:
+    """A table and footer lines to paste into docs/benchmarks.md."""
+    lines = [
+        "| weights | arm | requests (in swaps) | p50 / p95 (ms) | p95 in swap (ms) "
+        "| p95 outside swaps (ms) | sync wait mean / max (ms) | receive / drain (ms) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    ratios, stale = [], 0
+    for size in result["sizes"]:
+        for arm, a in size["arms"].items():
+            lines.append(
+                f"| {size['megabytes']:.0f} MB | {arm} "
+                f"| {a['requests']} ({a['requests_during_swap']}) "
+                f"| {a['latency_ms']['p50']:.1f} / {a['latency_ms']['p95']:.1f} "
+                f"| {a['during_swap_ms']['p95']:.1f} | {a['outside_swap_ms']['p95']:.1f} "
+                f"| {a['sync_wait_ms']['mean']:.0f} / {a['sync_wait_ms']['max']:.0f} "
+                f"| {a['receive_ms_mean']:.0f} / {a['drain_ms_mean']:.1f} |"
+            )
+            stale += a["stale"]
+        on, off = size["arms"]["early drain"], size["arms"]["lock"]
+        ratio = off["during_swap_ms"]["p95"] / max(on["during_swap_ms"]["p95"], 1e-9)
+        ratios.append(f"{ratio:.1f}x at {size['megabytes']:.0f} MB")
+    settings = result["settings"]
+    env = settings["env"]
+    first = result["sizes"][0]
+    rows = ", ".join(str(s["hash_buckets"]) for s in result["sizes"])
+    params = ", ".join(f"{s['parameters'] / 1e6:.0f}M" for s in result["sizes"])
+    lines += [
+        "",
+        f"p95 in a swap falls {', '.join(ratios)} with the early drain. Replies sent after a "
+        f"swap was served that carried an older version: {stale}.",
+        f"VLA {first['vla']['d_model']}-wide, instruction table of {rows} rows ({params} "
+        f"parameters); "
+        f"transport {settings['transport']}, {settings['callers']} callers with env step "
+        f"{env['dist']} {env['mean_ms']:g} ms, max_batch {settings['max_batch']} / "
+        f"{settings['max_wait_ms']:g} ms, {settings['threads']} torch thread(s); arms alternate "
+        f"in slots of {settings['period_s']:g} s, {settings['swaps_per_arm']} swaps per arm and "
+        f"size. Command: `{result['command']}`; {result['machine']['platform']}, "
+        f"{result['machine']['cpu_count']} CPUs (load average "
+        f"{result['machine']['load_average_at_start']:.1f} at start), torch "
+        f"{result['machine']['torch']}, ray {result['machine']['ray']}, commit "
+        f"{result['git'].get('commit', '?')}.",
+    ]
+    return "\n".join(lines)
+
+
+# name -> (run: args -> (result, raw data), plot: (result, raw data, path) -> path, table)
+ABLATIONS: dict[str, tuple[Callable, Callable, Callable[[dict], str]]] = {
+    "g3": (g3, g3_plot, g3_table),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one ablation, write its JSON and plot, print its table."""
+    args = parse_args(argv)
+    run, plot, table = ABLATIONS[args.ablation]
+    load_at_start = os.getloadavg()[0]
+    result = {
+        "benchmark": f"acce_ablations_{args.ablation}",
+        "command": shlex.join(["python", *(relative(arg) for arg in sys.argv)]),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine() | {"load_average_at_start": load_at_start},
+        "git": git_state(),
+    }
+    measured, raw = run(args)
+    result |= measured
+    save_result(
+        args.out, result["benchmark"], result, lambda r, path: plot(r, raw, path), table(result)
+    )
+    return 0
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line: an ablation and its options; ``overrides`` are ``a.b=value`` items."""
+    parser = argparse.ArgumentParser(description="Ablations of AcceRL's systems mechanisms.")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=REPO / "benchmarks" / "results",
+        help="folder for the JSON and PNG (benchmarks/results)",
+    )
+    sub = parser.add_subparsers(dest="ablation", required=True)
+    g = sub.add_parser("g3", help="inference.early_drain: latency while weights swap")
+    g.add_argument(
+        "--config", type=Path, default=REPO / "configs" / "babyai.yaml", help="configs/babyai.yaml"
+    )
+    g.add_argument("--transport", choices=sorted(TRANSPORTS), default="dist", help="(dist)")
+    g.add_argument("--swaps", type=int, default=6, help="swaps per arm (6)")
+    g.add_argument("--period", type=float, default=2.0, help="seconds per slot, one swap each (2)")
+    g.add_argument("--callers", type=int, default=8, help="concurrent callers (8)")
+    g.add_argument("--env-ms", type=float, default=5.0, help="mean env step between requests (5)")
+    g.add_argument("--env-dist", choices=sorted(DELAYS), default="constant", help="(constant)")
+    g.add_argument(
+        "--hash-buckets",
+        type=int,
+        nargs="+",
+        default=[200_000, 800_000],
+        help="rows of the instruction-embedding table, one policy size each: weight bytes at "
+        "little compute (200000 800000: ~100 and ~400 MB)",
+    )
+    g.add_argument("--warmup", type=float, default=1.0, help="seconds before the first slot (1)")
+    g.add_argument(
+        "--threads", type=int, default=None, help="service torch threads (ray.threads_per_executor)"
+    )
+    g.add_argument(
+        "overrides",
+        nargs="*",
+        default=["vla.d_model=128"],
+        help="a.b=value config overrides (vla.d_model=128)",
+    )
+    args = parser.parse_args(argv)
+    if args.swaps < 1 or args.callers < 1 or args.period <= 0 or min(args.hash_buckets) < 1:
+        parser.error("--swaps, --callers, --hash-buckets must be >= 1 and --period > 0")
+    return args
+
+
+if __name__ == "__main__":
+    sys.exit(main())
