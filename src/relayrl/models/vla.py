@@ -145,7 +145,7 @@ class VLAConfig:
     @property
     def instruction_vocab(self) -> int:
         """Instruction ids: padding, the built-in words and the hash buckets."""
-        return 1 + len(_WORD_IDS) + self.hash_buckets
+        return instruction_vocab(self.hash_buckets)
 
 
 class VLAPolicy(nn.Module):
@@ -200,14 +200,11 @@ class VLAPolicy(nn.Module):
     def tokenize(self, instructions: list[str]) -> Tensor:
         """Instructions to word ids int64 [B, S], right-padded with 0 to the longest (at most
         ``instruction_tokens``; longer ones are truncated)."""
-        if isinstance(instructions, str):
-            raise TypeError("instructions must be a list of strings, got a single str")
-        rows = [[_word_id(w, self.cfg.hash_buckets) for w in _words(s)] for s in instructions]
-        rows = [row[: self.cfg.instruction_tokens] for row in rows]
-        width = max((len(row) for row in rows), default=0)
-        ids = torch.full((len(rows), max(width, 1)), PAD_ID, dtype=torch.int64)
-        for i, row in enumerate(rows):
-            ids[i, : len(row)] = torch.tensor(row, dtype=torch.int64)
+        ids = tokenize_instructions(
+            instructions,
+            hash_buckets=self.cfg.hash_buckets,
+            max_tokens=self.cfg.instruction_tokens,
+        )
         return ids.to(self.action_queries.device)
 
     def forward(
@@ -307,6 +304,24 @@ class VLAPolicy(nn.Module):
             )
         if tuple(steps.shape) != (batch,):
             raise ValueError(f"steps must have shape [B={batch}], got {list(steps.shape)}")
+
+
+def tokenize_instructions(instructions: list[str], *, hash_buckets: int, max_tokens: int) -> Tensor:
+    """Instructions to word ids int64 [B, S], right-padded with ``PAD_ID`` to the longest (at most
+    ``max_tokens``; longer ones are truncated): the ids every instruction-reading model shares."""
+    if isinstance(instructions, str):
+        raise TypeError("instructions must be a list of strings, got a single str")
+    rows = [[_word_id(w, hash_buckets) for w in _words(s)][:max_tokens] for s in instructions]
+    width = max((len(row) for row in rows), default=0)
+    ids = torch.full((len(rows), max(width, 1)), PAD_ID, dtype=torch.int64)
+    for i, row in enumerate(rows):
+        ids[i, : len(row)] = torch.tensor(row, dtype=torch.int64)
+    return ids
+
+
+def instruction_vocab(hash_buckets: int) -> int:
+    """Instruction ids: padding, the built-in words and ``hash_buckets`` hash buckets."""
+    return 1 + len(_WORD_IDS) + hash_buckets
 
 
 def _words(text: str) -> list[str]:
