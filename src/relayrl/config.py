@@ -26,6 +26,7 @@ from pydantic import (
 
 from relayrl.algorithms.advantages import ADVANTAGES
 from relayrl.algorithms.losses import LOSSES
+from relayrl.models.world_model import OBS_BACKENDS
 
 
 class ConfigError(ValueError):
@@ -616,6 +617,107 @@ class VLAModelConfig(_Section):
         return self
 
 
+class WorldModelConfig(_Section):
+    """embodied: the world model (relayrl.models.world_model, docs/world_model.md), an
+    observation model M_obs and a success model M_reward in pixel space; frame size, views and
+    actions come from the environment, the instruction length from vla."""
+
+    backend: str = Field(
+        "diffusion",
+        description="Observation backend, a key of relayrl.models.world_model.OBS_BACKENDS: "
+        "diffusion (an EDM denoiser sampled in denoising_steps steps, as DIAMOND) or "
+        "deterministic (one regression pass, cheap and blurry).",
+    )
+    path: str | None = Field(
+        None,
+        description="Folder of a pretrained world model: PATH/observation and PATH/reward, each "
+        "a save_pretrained folder (model.safetensors + config.json); null: fresh models.",
+    )
+    context_frames: int = Field(
+        4, ge=1, description="Past frames and actions the next frame is predicted from (K)."
+    )
+    channels: int = Field(
+        32, ge=1, description="Channels of both models' convolutions, at every resolution."
+    )
+    levels: int = Field(
+        2,
+        ge=1,
+        description="Down-sampling levels of the observation U-Net; env.image_size must be a "
+        "multiple of 2**levels.",
+    )
+    cond_dim: int = Field(
+        64,
+        ge=2,
+        multiple_of=2,
+        description="Width of the action and noise-level embedding modulating every block.",
+    )
+    reward_hidden: int = Field(
+        64, ge=1, description="Width of the reward model's instruction embedding and hidden layer."
+    )
+    lr: float = Field(3e-4, gt=0, description="AdamW learning rate of both models.")
+    denoising_steps: int = Field(
+        3, ge=1, description="diffusion: Euler steps from sigma_max to 0 per sampled frame."
+    )
+    sigma_data: float = Field(
+        0.5, gt=0, description="diffusion: std of the frames in [-1, 1] (EDM's sigma_data)."
+    )
+    sigma_min: float = Field(
+        2e-3, gt=0, description="diffusion: smallest noise level (training and sampling)."
+    )
+    sigma_max: float = Field(
+        5.0, gt=0, description="diffusion: largest noise level, where sampling starts."
+    )
+    rho: float = Field(7.0, gt=0, description="diffusion: curvature of the sampling schedule.")
+    train_sigma_loc: float = Field(
+        -0.4, description="diffusion: mean of log(sigma) in training (EDM's P_mean)."
+    )
+    train_sigma_scale: float = Field(
+        1.2, gt=0, description="diffusion: std of log(sigma) in training (EDM's P_std)."
+    )
+    context_noise: float = Field(
+        0.3,
+        ge=0,
+        description="diffusion: context frames get Gaussian noise of a level drawn from "
+        "[0, context_noise] in training (none when sampling); 0: off.",
+    )
+    threshold: float = Field(
+        0.9,
+        gt=0,
+        le=1,
+        description="An imagined episode ends in success when the reward model's success "
+        "probability reaches this.",
+    )
+    max_steps: int = Field(
+        32, ge=1, description="Step cap of an imagined episode (truncated, bootstrapped)."
+    )
+    terminal_reward: float = Field(
+        1.0,
+        ge=0,
+        description="Reward added to the potential-based reward p(o') - p(o) on the step an "
+        "imagined episode ends in success.",
+    )
+
+    @field_validator("backend")
+    @classmethod
+    def _known_backend(cls, value: str) -> str:
+        if value not in OBS_BACKENDS:
+            raise ValueError(f"unknown backend; allowed: {', '.join(sorted(OBS_BACKENDS))}")
+        return value
+
+    @field_validator("path")
+    @classmethod
+    def _path_exists(cls, value: str | None) -> str | None:
+        if value is not None and not Path(value).is_dir():
+            raise ValueError("directory does not exist")
+        return value
+
+    @model_validator(mode="after")
+    def _sigma_range(self) -> WorldModelConfig:
+        if self.sigma_min >= self.sigma_max:
+            raise ValueError(f"sigma_min={self.sigma_min} must be < sigma_max={self.sigma_max}")
+        return self
+
+
 class ChannelsConfig(_Section):
     """Bounded channels between executors."""
 
@@ -713,6 +815,7 @@ NOT_FOR: dict[str, tuple[str, ...]] = {
         "inference",
         "replay",
         "vla",
+        "world_model",
         "trainer.gamma",
         "trainer.lam",
         "trainer.value_coef",
@@ -769,7 +872,8 @@ class Config(_Section):
     workload: Literal["llm", "embodied"] = Field(
         "llm",
         description="llm: a language model on prompts (model, task, generator, rewarder); "
-        "embodied: a VLA policy in a simulator (env, rollout, inference, replay, vla).",
+        "embodied: a VLA policy in a simulator (env, rollout, inference, replay, vla, "
+        "world_model).",
     )
     run: RunConfig = RunConfig()
     model: ModelConfig = ModelConfig()
@@ -790,6 +894,7 @@ class Config(_Section):
     inference: InferenceConfig = InferenceConfig()
     replay: ReplayConfig = ReplayConfig()
     vla: VLAModelConfig = VLAModelConfig()
+    world_model: WorldModelConfig = WorldModelConfig()
 
     @model_validator(mode="after")
     def _embodied_defaults(self) -> Config:
@@ -800,6 +905,13 @@ class Config(_Section):
             raise ValueError(
                 f"env.image_size={self.env.image_size} must be a multiple of "
                 f"vla.patch_size={self.vla.patch_size}"
+            )
+        # The observation U-Net halves the frame `levels` times, the reward model twice.
+        multiple = max(2**self.world_model.levels, 4)
+        if self.workload == "embodied" and self.env.image_size % multiple:
+            raise ValueError(
+                f"env.image_size={self.env.image_size} must be a multiple of {multiple} for the "
+                f"world model (2**world_model.levels={2**self.world_model.levels}, and 4)"
             )
         for key in NOT_FOR[self.workload]:
             section, _, name = key.partition(".")

@@ -31,6 +31,7 @@ from relayrl.envs.latency import LatencyEnv
 from relayrl.executors.inference_service import ActReply
 from relayrl.executors.rollout_worker import RolloutWorker
 from relayrl.models.vla import VLAConfig
+from relayrl.models.world_model import ObsModelConfig, SuccessModelConfig
 from relayrl.weight_sync import TRANSPORTS
 
 # Ray CPUs each actor reserves in its placement-group bundle: enough to make a bundle (Ray refuses
@@ -560,3 +561,27 @@ def vla_config(cfg: Config, views: int, dims: int, vocab: int) -> VLAConfig:
         action_vocab=vocab,
         **cfg.vla.model_dump(),
     )
+
+
+def world_model_configs(
+    cfg: Config, views: int, dims: int, vocab: int
+) -> tuple[ObsModelConfig, SuccessModelConfig]:
+    """The world model's sizes: ``cfg.world_model`` plus what the env decides (image size, views,
+    action tokens) and the policy's instruction length, so both read what the policy reads."""
+    wm = cfg.world_model
+    shared = {k: v for k, v in wm.model_dump().items() if k in ObsModelConfig.__dataclass_fields__}
+    obs = ObsModelConfig(
+        image_size=cfg.env.image_size,
+        views=views,
+        action_dims=dims,
+        action_vocab=vocab,
+        **shared,
+    )
+    reward = SuccessModelConfig(
+        image_size=cfg.env.image_size,
+        views=views,
+        channels=wm.channels,
+        hidden=wm.reward_hidden,
+        instruction_tokens=cfg.vla.instruction_tokens,
+    )
+    return obs, reward
