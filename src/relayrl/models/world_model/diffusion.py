@@ -101,7 +101,9 @@ class DiffusionObsModel(ObservationModel):
         batch, _, c, h, w = context.shape
         sigmas = karras_sigmas(cfg.denoising_steps, cfg.sigma_min, cfg.sigma_max, cfg.rho)
         sigmas = sigmas.to(context.device)
-        noise = torch.randn(batch, c, h, w, generator=generator, device=generator_device(generator))
+        noise = torch.randn(
+            batch, c, h, w, generator=generator, device=_generator_device(generator)
+        )
         x = noise.to(context.device) * sigmas[0]
         clean = torch.zeros(batch, device=context.device)
         for sigma, sigma_next in zip(sigmas[:-1], sigmas[1:], strict=True):
@@ -110,6 +112,6 @@ class DiffusionObsModel(ObservationModel):
         return x.clamp(-1, 1)
 
 
-def generator_device(generator: torch.Generator | None) -> torch.device:
+def _generator_device(generator: torch.Generator | None) -> torch.device:
     """The device a generator draws on (the CPU when there is none)."""
     return generator.device if generator is not None else torch.device("cpu")
