@@ -1,14 +1,16 @@
 """A learned reward driving RL: the arithmetic job trained on a reward model's score alone.
 
 1. One supervised warm start (as a run does it) gives the checkpoint both RL runs start from.
-2. A classifier (``LlamaForSequenceClassification``, one label) is initialised from that
-   checkpoint, as reward models are from the SFT policy, and trained to score a (prompt,
-   completion) pair on two halves: synthetic pairs (the right answer; near misses with one digit
-   changed, random numbers of the same length, answers a digit short or long, short strings of
-   the task's characters) and the warm-started policy's own samples (8 per training prompt,
-   labelled by the rule), the mistakes RL meets first, as preference data comes from the SFT
-   policy. It never sees the held-out problems; its accuracy on held-out synthetic pairs and on
-   the policy's held-out samples is reported.
+2. A reward model (``LlamaForSequenceClassification``, one label) is initialised from that
+   checkpoint, as reward models are from the SFT policy, and trained on preference pairs with the
+   Bradley-Terry loss ``-log sigmoid(r(right) - r(wrong))``: the right answer against a wrong one,
+   half the warm-started policy's own mistakes (8 samples per training prompt, labelled by the
+   rule), as preference data comes from the SFT policy, and half synthetic near misses (one digit
+   changed, a random number of the same length, a digit short or long, short strings of the
+   task's characters). It never trains on the held-out problems; on them it reports how often
+   the right answer outscores a near miss, one of the start policy's mistakes, and, within the
+   start policy's groups of 8, how often a right sample outscores a wrong one (the comparison
+   group advantages make).
 3. From the warm start, ``configs/arith.yaml`` trains twice in async mode: with the rule reward
    (exact answer) and with the reward model alone (``reward_model.rule_weight=0``,
    ``weight=1``): the rewarder still scores, but only for the metrics; the trained reward is the
@@ -16,6 +18,9 @@
    loss), as RLHF does to stay where the reward model is right.
 
 Held-out accuracy is always the rule's (greedy, exact answer), so the two runs are measured alike.
+The task is ``--digits`` (default 2) digit addition: a reward model of the policy's size,
+trained for minutes on two cores, ranks right 2-digit sums above the policy's mistakes but not
+3-digit ones, and RL on a reward model that cannot rank is reward hacking (docs/benchmarks.md).
 The full command (about 20 minutes on the 2-core reference machine)::
 
     python benchmarks/reward_model.py
@@ -24,10 +29,11 @@ A smoke run (a minute or two)::
 
     python benchmarks/reward_model.py --steps 10 --eval-every 5 --rm-steps 50
 
-Other options: ``--rm-steps``, ``--rm-examples``, ``--out``, and ``a.b=value`` overrides of the
-shared config. It writes ``benchmarks/results/reward_model.json`` and ``.png`` (held-out accuracy
-against RL step for both runs, and the classifier's training loss) with the command line and the
-machine, and prints a Markdown table. Checkpoints and run directories are temporary.
+Other options: ``--rm-steps``, ``--rm-lr``, ``--rm-policy-prompts``, ``--kl-coef``, ``--out``,
+and ``a.b=value`` overrides of the shared config. It writes
+``benchmarks/results/reward_model.json`` and ``.png`` (held-out accuracy against RL step for both
+runs, and the classifier's training loss) with the command line and the machine, and prints a
+Markdown table. Checkpoints and run directories are temporary.
 """
 
 from __future__ import annotations
@@ -100,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
             "steps": args.steps,
             "eval_every": args.eval_every,
             "rm_steps": args.rm_steps,
-            "rm_examples": args.rm_examples,
+            "digits": args.digits,
+            "rm_lr": args.rm_lr,
             "rm_policy_prompts": args.rm_policy_prompts,
             "kl_coef": args.kl_coef,
             "overrides": [relative(item) for item in args.overrides],
@@ -125,16 +132,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--steps", type=int, default=600, help="RL steps per run (600)")
     parser.add_argument("--eval-every", type=int, default=50, help="held-out period (50)")
-    parser.add_argument("--rm-steps", type=int, default=6000, help="classifier steps (6000)")
     parser.add_argument(
-        "--rm-examples", type=int, default=20000, help="synthetic training problems (20000)"
+        "--digits",
+        type=int,
+        default=2,
+        help="task.digits of every run (2: a classifier of the policy's size verifies 2-digit "
+        "sums on this machine, not 3-digit ones; see docs/benchmarks.md)",
     )
+    parser.add_argument("--rm-steps", type=int, default=3000, help="classifier steps (3000)")
+    parser.add_argument("--rm-lr", type=float, default=3e-4, help="classifier peak lr (3e-4)")
     parser.add_argument(
         "--rm-policy-prompts",
         type=int,
-        default=3000,
+        default=1500,
         help="training problems the warm-started policy answers 8 times each, labelled by the "
-        "rule, for the classifier (3000)",
+        "rule: its mistakes are half of the classifier's wrong answers (1500)",
     )
     parser.add_argument(
         "--kl-coef",
@@ -148,8 +160,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("overrides", nargs="*", help="a.b=value overrides for every run")
     args = parser.parse_args(argv)
-    if min(args.steps, args.eval_every, args.rm_steps, args.rm_examples) < 1:
-        parser.error("--steps, --eval-every, --rm-steps and --rm-examples must be >= 1")
+    if min(args.steps, args.eval_every, args.rm_steps, args.rm_policy_prompts, args.digits) < 1:
+        parser.error(
+            "--steps, --eval-every, --rm-steps, --rm-policy-prompts and --digits must be >= 1"
+        )
+    args.overrides = [f"task.digits={args.digits}", *args.overrides]
     return args
 
 
@@ -176,87 +191,130 @@ def _negative(answer: str, rng: random.Random) -> str:
             return wrong
 
 
-def _pairs(problems: list, rng: random.Random) -> tuple[list[str], list[str], list[float]]:
-    """For each problem its right answer (label 1) and a wrong one (label 0)."""
-    prompts, completions, labels = [], [], []
-    for problem in problems:
-        for completion, label in ((problem.answer, 1.0), (_negative(problem.answer, rng), 0.0)):
-            prompts.append(problem.prompt)
-            completions.append(completion)
-            labels.append(label)
-    return prompts, completions, labels
+def _wrong_samples(pairs: tuple[list[str], list[str], list[float]]) -> dict[str, list[str]]:
+    """The distinct wrong completions among labelled policy samples, by prompt."""
+    wrong: dict[str, list[str]] = {}
+    for prompt, completion, label in zip(*pairs, strict=True):
+        if not label and completion not in wrong.setdefault(prompt, []):
+            wrong[prompt].append(completion)
+    return {prompt: completions for prompt, completions in wrong.items() if completions}
+
+
+def _preference_batch(
+    task: AdditionTask, wrong: dict[str, list[str]], size: int, rng: random.Random
+) -> tuple[list[str], list[str], list[str]]:
+    """``size`` (prompt, right, wrong) triples: half the start policy's own mistakes, half
+    synthetic near misses of fresh problems."""
+    prompts, rights, wrongs = [], [], []
+    with_mistakes = list(wrong)
+    for i in range(size):
+        if i % 2 == 0:
+            prompt = rng.choice(with_mistakes)
+            right, bad = _answer(task, prompt), rng.choice(wrong[prompt])
+        else:
+            problem = task.sample(1, rng)[0]
+            prompt, right, bad = problem.prompt, problem.answer, _negative(problem.answer, rng)
+        prompts.append(prompt)
+        rights.append(right)
+        wrongs.append(bad)
+    return prompts, rights, wrongs
+
+
+def _answer(task: AdditionTask, prompt: str) -> str:
+    """The right answer to ``prompt`` (``"a+b="``)."""
+    a, b = prompt.rstrip("=").split("+")
+    return task.problem(int(a), int(b)).answer
 
 
 def train_classifier(cfg: Config, args: argparse.Namespace, start_dir: Path, out: Path) -> dict:
-    """Train the reward model from the warm-start checkpoint ``start_dir``, save it to ``out``;
-    its loss curve and held-out pair accuracy."""
+    """Train the reward model from the warm-start checkpoint ``start_dir`` on preference pairs
+    (Bradley-Terry: ``-log sigmoid(r(right) - r(wrong))``), save it to ``out``; its loss curve
+    and held-out ranking accuracy."""
     start = time.perf_counter()
     tc = cfg.task
     tokenizer = load_tokenizer(cfg.model.tokenizer_source)
     task = AdditionTask(tc.digits, tc.reverse_answer, tc.heldout_size)
     rng = random.Random(cfg.run.seed + 11)
-    train_pairs = _pairs(task.sample(args.rm_examples, rng), rng)
-    test_pairs = _pairs(task.heldout(), rng)
-    sampled = _policy_pairs(cfg, start_dir, task.sample(args.rm_policy_prompts, rng), 8)
-    sampled_test = _policy_pairs(cfg, start_dir, task.heldout(), 2)
+    wrong = _wrong_samples(
+        _policy_pairs(cfg, start_dir, task.sample(args.rm_policy_prompts, rng), 8)
+    )
+    heldout_samples = _policy_pairs(cfg, start_dir, task.heldout(), 8)
     torch.manual_seed(cfg.run.seed)
     config = AutoConfig.from_pretrained(start_dir, num_labels=1)
     config.pad_token_id = tokenizer.pad_token_id  # where each row's last real token is
     model = LlamaForSequenceClassification.from_pretrained(start_dir, config=config)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, args.rm_steps)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.rm_lr)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(
+        optimizer, args.rm_lr, total_steps=args.rm_steps, pct_start=0.05
+    )
     losses = []
-    batch_size = 128
     for step in range(args.rm_steps):
-        # half synthetic pairs, half the warm-started policy's own samples
-        picks = [
-            (source, rng.randrange(len(source[0])))
-            for source in [train_pairs, sampled] * (batch_size // 2)
-        ]
-        encoded = tokenizer(
-            [source[0][i] for source, i in picks],
-            [source[1][i] for source, i in picks],
-            padding=True,
-            return_tensors="pt",
-        )
-        labels = torch.tensor([source[2][i] for source, i in picks])
-        logits = model(**encoded).logits[:, 0]
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels)
+        prompts, rights, wrongs = _preference_batch(task, wrong, 64, rng)
+        scores = _scores(model, tokenizer, prompts + prompts, rights + wrongs)
+        loss = -torch.nn.functional.logsigmoid(scores[: len(prompts)] - scores[len(prompts) :])
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        loss.mean().backward()
         optimizer.step()
         schedule.step()
         if step % 50 == 0 or step == args.rm_steps - 1:
-            losses.append((step, float(loss)))
+            losses.append((step, float(loss.mean())))
     model.eval()
-    synthetic = _accuracy(model, tokenizer, test_pairs)
-    samples = _accuracy(model, tokenizer, sampled_test)
+    with torch.no_grad():
+        ranking = _ranking(model, tokenizer, task, heldout_samples)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return {
         "path": str(out),
         "parameters": sum(p.numel() for p in model.parameters()),
         "loss": losses,
-        "heldout": {"pairs": len(test_pairs[0]), "accuracy": synthetic},
-        "heldout_policy_samples": {
-            "samples": len(sampled_test[0]),
-            "right": int(sum(sampled_test[2])),
-            "accuracy": samples,
-        },
+        "train_prompts_with_mistakes": len(wrong),
+        "heldout": ranking,
         "time_s": time.perf_counter() - start,
     }
 
 
-@torch.no_grad()
-def _accuracy(model, tokenizer, pairs: tuple[list[str], list[str], list[float]]) -> float:
-    """How often the classifier's sign agrees with the label, over ``pairs``."""
-    correct = 0
-    for offset in range(0, len(pairs[0]), 512):
-        part = slice(offset, offset + 512)
-        encoded = tokenizer(pairs[0][part], pairs[1][part], padding=True, return_tensors="pt")
-        predicted = model(**encoded).logits[:, 0] > 0
-        correct += int((predicted == torch.tensor(pairs[2][part]).bool()).sum())
-    return correct / len(pairs[0])
+def _scores(model, tokenizer, prompts: list[str], completions: list[str]) -> torch.Tensor:
+    """The classifier's logit for each (prompt, completion)."""
+    encoded = tokenizer(prompts, completions, padding=True, return_tensors="pt")
+    return model(**encoded).logits[:, 0]
+
+
+def _ranking(model, tokenizer, task: AdditionTask, samples) -> dict:
+    """On held-out problems: how often the right answer outscores a wrong one, for near misses
+    (``synthetic``) and for the start policy's own mistakes (``policy_mistakes``); and
+    ``within_groups``: in groups of the start policy's 8 samples with right and wrong ones, how
+    often a right sample outscores a wrong one (the comparison group advantages make)."""
+    rng = random.Random(7)
+    problems = task.heldout()
+    near = [_negative(p.answer, rng) for p in problems]
+    prompts = [p.prompt for p in problems]
+    right = _scores(model, tokenizer, prompts, [p.answer for p in problems])
+    synthetic = float((right > _scores(model, tokenizer, prompts, near)).float().mean())
+    mistakes = _wrong_samples(samples)
+    pairs = [(prompt, completion) for prompt, bad in mistakes.items() for completion in bad]
+    right_of = dict(zip(prompts, right.tolist(), strict=True))
+    bad_scores = _scores(model, tokenizer, [p for p, _ in pairs], [c for _, c in pairs])
+    beaten = [right_of[p] > float(s) for (p, _), s in zip(pairs, bad_scores, strict=True)]
+    groups: dict[str, list[tuple[str, float]]] = {}
+    for prompt, completion, label in zip(*samples, strict=True):
+        groups.setdefault(prompt, []).append((completion, label))
+    wins = total = 0
+    for prompt, members in groups.items():
+        goods = [c for c, label in members if label]
+        bads = [c for c, label in members if not label]
+        if goods and bads:
+            scored = _scores(model, tokenizer, [prompt] * len(members), goods + bads)
+            good, bad = scored[: len(goods)], scored[len(goods) :]
+            wins += int((good[:, None] > bad[None, :]).sum())
+            total += len(goods) * len(bads)
+    return {
+        "problems": len(problems),
+        "synthetic": synthetic,
+        "policy_mistakes": sum(beaten) / len(beaten),
+        "policy_mistake_pairs": len(beaten),
+        "within_groups": wins / total if total else None,
+        "within_group_pairs": total,
+    }
 
 
 def _policy_pairs(
@@ -297,9 +355,11 @@ def plot(result: dict, path: Path) -> Path:
     steps, losses = zip(*result["reward_model"]["loss"], strict=True)
     loss_ax.plot(steps, losses)
     loss_ax.set_xlabel("classifier step")
-    loss_ax.set_ylabel("binary cross-entropy")
     held = result["reward_model"]["heldout"]
-    loss_ax.set_title(f"reward model: held-out pair accuracy {held['accuracy']:.3f}")
+    loss_ax.set_ylabel("Bradley-Terry loss")
+    loss_ax.set_title(
+        f"reward model: right above the policy's mistakes {held['policy_mistakes']:.3f}"
+    )
     m = result["machine"]
     fig.suptitle(f"relayrl reward model: {m['cpu_count']} CPUs, torch {m['torch']}", fontsize=10)
     fig.tight_layout()
@@ -323,11 +383,13 @@ def markdown(result: dict) -> str:
     rm, m = result["reward_model"], result["machine"]
     lines += [
         "",
-        f"Reward model: {rm['parameters']:,} parameters, {result['settings']['rm_steps']} steps, "
-        f"held-out accuracy {rm['heldout']['accuracy']:.3f} on {rm['heldout']['pairs']} synthetic "
-        f"pairs and {rm['heldout_policy_samples']['accuracy']:.3f} on "
-        f"{rm['heldout_policy_samples']['samples']} of the start policy's samples "
-        f"({rm['heldout_policy_samples']['right']} right); both runs with trainer.kl_coef="
+        f"Reward model: {rm['parameters']:,} parameters, {result['settings']['rm_steps']} steps; "
+        f"on held-out problems the right answer outscores a near miss "
+        f"{rm['heldout']['synthetic']:.3f} of the time and one of the start policy's mistakes "
+        f"{rm['heldout']['policy_mistakes']:.3f} ({rm['heldout']['policy_mistake_pairs']} pairs); "
+        f"within the start policy's groups a right sample outscores a wrong one "
+        f"{rm['heldout']['within_groups']:.3f} ({rm['heldout']['within_group_pairs']} pairs). "
+        f"task.digits={result['settings']['digits']}; both runs with trainer.kl_coef="
         f"{result['settings']['kl_coef']}.",
         f"Command: `{result['command']}`; {m['platform']}, {m['cpu_count']} CPUs, "
         f"torch {m['torch']}; {result['wall_clock_s'] / 60:.0f} min.",
