@@ -228,7 +228,7 @@ def pretrain(
         }
 
     out.mkdir(parents=True, exist_ok=True)
-    log = (out / "metrics.jsonl").open("w")
+    log = (out / "metrics.jsonl").open("w", buffering=1)  # line-buffered: readable mid-run
     curve = [measure(0)]
     log.write(json.dumps(curve[0]) + "\n")
     start = time.perf_counter()
@@ -257,8 +257,8 @@ def pretrain(
 
         row: dict[str, Any] = {
             "step": step,
-            "loss/obs": float(obs_loss),
-            "loss/reward": float(reward_loss),
+            "loss/obs": obs_loss.item(),
+            "loss/reward": reward_loss.item(),
         }
         if step % eval_every == 0 or step == steps:
             measured = measure(step)
@@ -271,7 +271,7 @@ def pretrain(
             )
         log.write(json.dumps(row) + "\n")
         bar.set_postfix(
-            obs=f"{float(obs_loss):.4f}", reward=f"{float(reward_loss):.3f}", refresh=False
+            obs=f"{obs_loss.item():.4f}", reward=f"{reward_loss.item():.3f}", refresh=False
         )
     log.close()
     seconds = time.perf_counter() - start
@@ -303,7 +303,7 @@ def pretrain(
             "train_success_frames": len(positives),
             "heldout": heldout_keys,
         },
-        "final_losses": {"obs": float(obs_loss), "reward": float(reward_loss)},
+        "final_losses": {"obs": obs_loss.item(), "reward": reward_loss.item()},
         "heldout_start": curve[0],
         "heldout_end": curve[-1],
         "curve": curve,
