@@ -204,3 +204,30 @@ def test_an_llm_config_is_refused(capsys):
 
     assert code == 2
     assert "relayrl wm needs an embodied config" in capsys.readouterr().err
+
+
+def save_policy(folder: Path) -> None:
+    """A tiny untrained VLA policy saved as an embodied run saves its checkpoint."""
+    from dataclasses import asdict
+
+    from safetensors.torch import save_file
+
+    from relayrl.models.vla import VLAConfig, VLAPolicy
+
+    cfg = VLAConfig(image_size=28, patch_size=7, channels=4, d_model=8, heads=2, conv_layers=0)
+    folder.mkdir()
+    save_file(VLAPolicy(cfg).state_dict(), str(folder / "model.safetensors"))
+    (folder / "vla_config.json").write_text(json.dumps(asdict(cfg)))
+
+
+def test_collect_plays_a_saved_vla_policy_off_the_target_and_refuses_it_on_it(tmp_path, capsys):
+    save_policy(tmp_path / "ckpt")
+    policy = ["--policy", str(tmp_path / "ckpt"), "--episodes", "2"]
+
+    assert wm("collect", "--out", f"{tmp_path}/data", *policy) == 0
+    manifest = json.loads((tmp_path / "data/manifest.json").read_text())
+    assert manifest["producer"]["policy"] == str(tmp_path / "ckpt")
+    assert TARGET not in manifest["per_task"]
+    capsys.readouterr()
+    assert wm("collect", "--out", f"{tmp_path}/on", *policy, "--level", TARGET) == 2
+    assert "allowed there: --policy random" in capsys.readouterr().err
