@@ -308,19 +308,21 @@ def _add_wm_commands(commands: Any) -> None:
         sub = actions.add_parser(name, help=help_text, description=description)
         sub.add_argument("config", help="an embodied YAML config, e.g. configs/babyai.yaml")
         sub.add_argument("overrides", nargs="*", help="a.b=value overrides, applied in order")
-        sub.add_argument("--seed", type=int, default=0, help="seed of everything random")
+        sub.add_argument(
+            "--seed", type=int, default=0, help="seed of everything random (default 0)"
+        )
         return sub
 
     collect = command(
         "collect",
         "record real episodes for pretraining into a folder",
         "Play episodes of the config's env and write frames, action tokens, instructions, "
-        "rewards and how each episode ended into DIR (compressed .npz shards and "
+        "rewards and how each episode ended into OUT (compressed .npz shards and "
         "manifest.json). Levels default to the config's env.tasks other than its target "
         "(env.eval_tasks); a target level is played only by --policy random.",
     )
     collect.add_argument("--out", required=True, help="a new (or empty) folder for the episodes")
-    collect.add_argument("--episodes", type=int, default=200, help="episodes to play")
+    collect.add_argument("--episodes", type=int, default=200, help="episodes to play (default 200)")
     collect.add_argument(
         "--policy",
         default="random",
@@ -350,10 +352,17 @@ def _add_wm_commands(commands: Any) -> None:
         "--data", action="append", required=True, help="a folder of episodes; may repeat"
     )
     pretrain.add_argument("--out", required=True, help="a new (or empty) folder for the models")
-    pretrain.add_argument("--steps", type=int, default=2000, help="optimizer steps of each model")
-    pretrain.add_argument("--batch-size", type=int, default=32, help="samples per step")
     pretrain.add_argument(
-        "--heldout", type=float, default=0.1, help="fraction of episodes held out, in (0, 1)"
+        "--steps", type=int, default=2000, help="optimizer steps of each model (default 2000)"
+    )
+    pretrain.add_argument(
+        "--batch-size", type=int, default=32, help="samples per step (default 32)"
+    )
+    pretrain.add_argument(
+        "--heldout",
+        type=float,
+        default=0.1,
+        help="fraction of episodes held out, in (0, 1) (default 0.1)",
     )
     pretrain.add_argument(
         "--eval-every",
@@ -379,10 +388,14 @@ def _add_wm_commands(commands: Any) -> None:
         "data count)",
     )
     evaluate.add_argument(
-        "--policy", default="random", help="random, or the folder of a VLA checkpoint"
+        "--policy", default="random", help="random (the default), or the folder of a VLA checkpoint"
     )
-    evaluate.add_argument("--episodes", type=int, default=32, help="most episodes evaluated")
-    evaluate.add_argument("--horizon", type=int, default=10, help="steps of the rollout error")
+    evaluate.add_argument(
+        "--episodes", type=int, default=32, help="most episodes evaluated (default 32)"
+    )
+    evaluate.add_argument(
+        "--horizon", type=int, default=10, help="steps of the rollout error (default 10)"
+    )
     evaluate.add_argument(
         "--out", default=None, help="report JSON (default: WORLD_MODEL/eval.json)"
     )
