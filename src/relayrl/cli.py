@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import shutil
 import signal
 import sys
@@ -22,6 +23,10 @@ EPILOG = """examples:
   relayrl train configs/arith.yaml --ray-address auto
 
   relayrl train --resume runs/arith-20260101-120000
+
+  relayrl wm collect configs/babyai.yaml --out wm-data --policy noisy_scripted
+  relayrl wm pretrain configs/babyai.yaml --data wm-data --out wm world_model.backend=deterministic
+  relayrl wm eval configs/babyai.yaml --world-model wm --data wm-data
 
 Overrides use dotted keys (section.key=value); see the config reference in the README."""
 
@@ -117,9 +122,14 @@ def main(argv: list[str] | None = None) -> int:
         help="wrap each prompt in the checkpoint tokenizer's chat template",
     )
     evaluate.add_argument("--out", default=None, help="samples JSONL (default next to the model)")
+    _add_wm_commands(commands)
     # parse_args would reject overrides placed after an option (`--ray-address auto steps=5`):
     # argparse fills the nargs="*" positional once, so later ones come back as leftovers.
     args, leftovers = parser.parse_known_args(argv)
+    if args.command == "wm":
+        if any(item.startswith("-") for item in leftovers):
+            parser.error(f"unrecognized arguments: {' '.join(leftovers)}")
+        return _wm(args, [*args.overrides, *leftovers], argv)
     if args.command in ("report", "eval") and leftovers:
         parser.error(f"unrecognized arguments: {' '.join(leftovers)}")
     if args.command == "report":
@@ -280,6 +290,191 @@ def _eval(args: argparse.Namespace) -> int:
         print(f"relayrl: {err}", file=sys.stderr)
         return 2
     print(format_report(report))
+    return 0
+
+
+def _add_wm_commands(commands: Any) -> None:
+    """``relayrl wm collect | pretrain | eval``: the world model's offline half."""
+    wm = commands.add_parser(
+        "wm",
+        help="collect offline episodes, pretrain and evaluate the world model",
+        description="The world model's offline half (docs/world_model.md): collect real "
+        "episodes that do not come from the target task's solved policy, pretrain the "
+        "observation and success models on them, evaluate both on held-out real episodes.",
+    )
+    actions = wm.add_subparsers(dest="wm_command", required=True)
+
+    def command(name: str, help_text: str, description: str) -> argparse.ArgumentParser:
+        sub = actions.add_parser(name, help=help_text, description=description)
+        sub.add_argument("config", help="an embodied YAML config, e.g. configs/babyai.yaml")
+        sub.add_argument("overrides", nargs="*", help="a.b=value overrides, applied in order")
+        sub.add_argument(
+            "--seed", type=int, default=0, help="seed of everything random (default 0)"
+        )
+        return sub
+
+    collect = command(
+        "collect",
+        "record real episodes for pretraining into a folder",
+        "Play episodes of the config's env and write frames, action tokens, instructions, "
+        "rewards and how each episode ended into OUT (compressed .npz shards and "
+        "manifest.json). Levels default to the config's env.tasks other than its target "
+        "(env.eval_tasks); a target level is played only by --policy random.",
+    )
+    collect.add_argument("--out", required=True, help="a new (or empty) folder for the episodes")
+    collect.add_argument("--episodes", type=int, default=200, help="episodes to play (default 200)")
+    collect.add_argument(
+        "--policy",
+        default="random",
+        help="random (uniform actions), noisy_scripted (BabyAI's bot with random actions mixed "
+        "in), or the folder of a VLA checkpoint (RUN_DIR/checkpoint)",
+    )
+    collect.add_argument(
+        "--level",
+        action="append",
+        default=None,
+        help="a level (env task) to play, levels taken in turn; may repeat",
+    )
+    collect.add_argument(
+        "--noise",
+        type=float,
+        default=None,
+        help="noisy_scripted: the probability of a random action at each step (default 0.3)",
+    )
+    pretrain = command(
+        "pretrain",
+        "train the observation and success models on collected episodes",
+        "Train M_obs (world_model.backend) and M_reward on the episodes of --data, with a "
+        "held-out split of episodes; write OUT/observation and OUT/reward (safetensors + "
+        "config.json, what world_model.path loads), OUT/metrics.jsonl and OUT/pretrain.json.",
+    )
+    pretrain.add_argument(
+        "--data", action="append", required=True, help="a folder of episodes; may repeat"
+    )
+    pretrain.add_argument("--out", required=True, help="a new (or empty) folder for the models")
+    pretrain.add_argument(
+        "--steps", type=int, default=2000, help="optimizer steps of each model (default 2000)"
+    )
+    pretrain.add_argument(
+        "--batch-size", type=int, default=32, help="samples per step (default 32)"
+    )
+    pretrain.add_argument(
+        "--heldout",
+        type=float,
+        default=0.1,
+        help="fraction of episodes held out, in (0, 1) (default 0.1)",
+    )
+    pretrain.add_argument(
+        "--eval-every",
+        type=int,
+        default=None,
+        help="measure on the held-out episodes every N steps (default: steps / 10)",
+    )
+    evaluate = command(
+        "eval",
+        "measure a pretrained world model on held-out real episodes",
+        "Per-step and rollout prediction error (MSE, PSNR), the success model's accuracy and "
+        "AUC, and one fixed policy's success rate in imagination against the real env. Prints "
+        "the report and writes it as JSON.",
+    )
+    evaluate.add_argument(
+        "--world-model", required=True, help="a folder written by relayrl wm pretrain"
+    )
+    evaluate.add_argument(
+        "--data",
+        action="append",
+        required=True,
+        help="a folder of real episodes; may repeat (only held-out episodes of the pretraining "
+        "data count)",
+    )
+    evaluate.add_argument(
+        "--policy", default="random", help="random (the default), or the folder of a VLA checkpoint"
+    )
+    evaluate.add_argument(
+        "--episodes", type=int, default=32, help="most episodes evaluated (default 32)"
+    )
+    evaluate.add_argument(
+        "--horizon", type=int, default=10, help="steps of the rollout error (default 10)"
+    )
+    evaluate.add_argument(
+        "--out", default=None, help="report JSON (default: WORLD_MODEL/eval.json)"
+    )
+
+
+def _wm(args: argparse.Namespace, overrides: list[str], argv: list[str] | None) -> int:
+    """Run ``relayrl wm COMMAND``: 2 and one line on stderr for bad configs or arguments."""
+    command = "relayrl " + " ".join(sys.argv[1:] if argv is None else argv)
+    try:
+        cfg = load_config(args.config, overrides)
+    except ConfigError as err:
+        print(f"relayrl: config error: {err}", file=sys.stderr)
+        return 2
+    if cfg.workload != "embodied":
+        print(
+            f"relayrl: config error: workload={cfg.workload!r}: relayrl wm needs an embodied "
+            "config (workload: embodied)",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        if args.wm_command == "collect":
+            from relayrl.wm.collect import collect
+
+            manifest = collect(
+                cfg,
+                args.out,
+                episodes=args.episodes,
+                policy=args.policy,
+                levels=args.level,
+                noise=args.noise,
+                seed=args.seed,
+                command=command,
+            )
+            print(
+                f"{manifest['episodes']} episodes, {manifest['steps']} steps, "
+                f"{manifest['successes']} successes -> {args.out}"
+            )
+        elif args.wm_command == "pretrain":
+            from relayrl.wm.pretrain import pretrain
+
+            report = pretrain(
+                cfg,
+                args.data,
+                args.out,
+                steps=args.steps,
+                batch_size=args.batch_size,
+                heldout=args.heldout,
+                eval_every=args.eval_every,
+                seed=args.seed,
+                command=command,
+            )
+            start, end = report["heldout_start"], report["heldout_end"]
+            print(
+                f"held-out obs MSE {start['heldout/obs_mse']:.5f} -> {end['heldout/obs_mse']:.5f} "
+                f"(copy last frame {end['heldout/copy_last_mse']:.5f}), reward accuracy "
+                f"{start['heldout/reward_acc']:.3f} -> {end['heldout/reward_acc']:.3f}; "
+                f"{args.out}/pretrain.json"
+            )
+        else:
+            from relayrl.wm.evaluate import evaluate, format_report
+
+            report = evaluate(
+                cfg,
+                args.world_model,
+                args.data,
+                policy=args.policy,
+                episodes=args.episodes,
+                horizon=args.horizon,
+                seed=args.seed,
+                command=command,
+            )
+            out = Path(args.out) if args.out else Path(args.world_model) / "eval.json"
+            out.write_text(json.dumps(report, indent=2) + "\n")
+            print(format_report(report))
+            print(f"report: {out}")
+    except (FileNotFoundError, FileExistsError, ValueError, ImportError) as err:
+        print(f"relayrl: wm {args.wm_command}: {err}", file=sys.stderr)
+        return 2
     return 0
 
 

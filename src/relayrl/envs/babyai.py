@@ -128,6 +128,14 @@ class BabyAIEnv:
             info={"distractor": distractor},
         )
 
+    def expert(self) -> Any:
+        """minigrid's ``BabyAIBot`` for the episode ``reset`` began: ``bot.replan(taken)`` suggests
+        the next action after the agent took ``taken`` (None: the suggested one), so it keeps
+        advising when another action was taken. A scripted demonstrator, e.g. for offline data."""
+        from minigrid.utils.baby_ai_bot import BabyAIBot
+
+        return BabyAIBot(self._envs[self._task])
+
     def close(self) -> None:
         """Release the minigrid envs."""
         for env in self._envs.values():

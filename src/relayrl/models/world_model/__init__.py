@@ -24,6 +24,14 @@ from safetensors.torch import load_file, save_file
 from relayrl.models.world_model.base import ObservationModel, ObsModelConfig, Transitions
 from relayrl.models.world_model.deterministic import DeterministicObsModel
 from relayrl.models.world_model.diffusion import DiffusionObsModel
+from relayrl.models.world_model.imagine import (
+    PAD_ACTION,
+    Imagined,
+    Policy,
+    context_window,
+    imagine,
+    start_context,
+)
 from relayrl.models.world_model.reward_model import SuccessLabels, SuccessModel, SuccessModelConfig
 from relayrl.models.world_model.rewards import imagined_reward, imagined_termination
 
@@ -78,16 +86,22 @@ def saved_version(path: str | Path) -> int:
 
 __all__ = [
     "OBS_BACKENDS",
+    "PAD_ACTION",
+    "Imagined",
     "ObsModelConfig",
     "ObservationModel",
+    "Policy",
     "SuccessLabels",
     "SuccessModel",
     "SuccessModelConfig",
     "Transitions",
     "build_obs_model",
+    "context_window",
+    "imagine",
     "imagined_reward",
     "imagined_termination",
     "load_pretrained",
     "save_pretrained",
     "saved_version",
+    "start_context",
 ]
