@@ -149,7 +149,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--prompt-len", type=int, default=32, help="tokens in every prompt")
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens generated per row")
     parser.add_argument("--repeats", type=int, default=3, help="timed calls; the fastest counts")
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (1: what a generator runs with, ray.threads_per_executor)",
+    )
     parser.add_argument("--hidden", type=int, default=512, help="width of the Llama")
     parser.add_argument("--layers", type=int, default=8, help="decoder layers")
     parser.add_argument("--heads", type=int, default=8, help="attention heads")
