@@ -118,10 +118,15 @@ def test_lockstep_run_with_in_place_dist_sync_serves_every_version(ray_session, 
     assert summary["eval"]["end"]["version"] == 3  # the service evaluated the last version
 
 
-def test_async_run_bounds_the_lag_keeps_the_books_and_contains_env_crashes(ray_session, tmp_path):
+@pytest.mark.parametrize("transport", ["ray", "socket"])
+def test_async_run_bounds_the_lag_keeps_the_books_and_contains_env_crashes(
+    ray_session, tmp_path, transport
+):
     # The env factory lives in this module, which Ray's workers cannot import.
     ray_session.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    cfg = tiny_config(*SMALL, "mode=async", "max_staleness=1", "steps=4")
+    cfg = tiny_config(
+        *SMALL, "mode=async", "max_staleness=1", "steps=4", f"inference.transport={transport}"
+    )
     summary = train(cfg, tmp_path / "run", make_env=functools.partial(crashing_babyai, cfg.env))
     assert summary["status"] == "finished" and summary["steps"] == 4
     samples = check_books(summary)
@@ -138,8 +143,13 @@ def test_async_run_bounds_the_lag_keeps_the_books_and_contains_env_crashes(ray_s
     assert [m["version"] for m in metrics if "version" in m] == list(range(1, 5))
 
 
-def test_inference_replicas_each_serve_their_workers_and_every_version(ray_session, tmp_path):
-    cfg = tiny_config(*SMALL, "mode=async", "inference.replicas=2", "steps=3")
+@pytest.mark.parametrize("transport", ["ray", "socket"])
+def test_inference_replicas_each_serve_their_workers_and_every_version(
+    ray_session, tmp_path, transport
+):
+    cfg = tiny_config(
+        *SMALL, "mode=async", "inference.replicas=2", "steps=3", f"inference.transport={transport}"
+    )
     summary = train(cfg, tmp_path / "run")
     check_books(summary)
     inference = summary["perf"]["inference"]

@@ -558,6 +558,13 @@ class InferenceConfig(_Section):
         "(held anyway, so no extra memory); requests wait only for the pointer swap. false: "
         "the whole transfer runs inside the model lock and stalls every request.",
     )
+    transport: Literal["socket", "ray"] = Field(
+        "ray",
+        description="How rollout workers ask for actions in async mode. socket: each worker keeps "
+        "a Unix-socket connection to its replica and sends raw bytes, no Ray call per env step "
+        "(a worker on another node than its replica falls back to Ray calls); ray: one Ray actor "
+        "call per env step.",
+    )
     resources: dict[str, float] = _resources("inference-service")
 
 

@@ -207,9 +207,10 @@ class RolloutWorker:
 
         ``service`` maps an observation, the worker's id and its env steps so far to an
         ``ActReply`` (a Ray inference-service handle wrapped in a function, or an in-process
-        callable); ``sink`` takes a segment (e.g. puts it into the replay buffer). Their errors
-        are not contained: they propagate out of ``run``. An unfinished segment stays open and
-        continues at the next ``run`` or ``step``.
+        callable, or a ``SocketServiceClient``); ``sink`` takes a segment (e.g. puts it into the
+        replay buffer). Their errors are not contained: they propagate out of ``run``. An
+        unfinished segment stays open and continues at the next ``run`` or ``step``. A ``service``
+        with a ``close`` method is closed when ``run`` returns.
         """
         emitted = 0
         try:
@@ -224,6 +225,8 @@ class RolloutWorker:
                     emitted += 1
         finally:
             self._stop.clear()
+            if hasattr(service, "close"):
+                service.close()
         return emitted
 
     def stop(self) -> None:

@@ -20,6 +20,7 @@ import ray
 
 from relayrl.algorithms.curriculum import Curriculum
 from relayrl.algorithms.dwr import DynamicWeightedResampler
+from relayrl.channels.act_socket import SocketServiceClient
 from relayrl.config import Config
 from relayrl.envs.embodied import EmbodiedEnv
 from relayrl.executors.inference_service import InferenceService
@@ -238,8 +239,11 @@ class EmbodiedWorkload:
         """The inference replica that answers rollout worker (or evaluator) ``worker``."""
         return self.services[worker % len(self.services)]
 
-    def service_client(self, worker: int) -> ServiceClient:
-        """What rollout worker ``worker`` calls for an action in async mode."""
+    def service_client(self, worker: int) -> ServiceClient | SocketServiceClient:
+        """What rollout worker ``worker`` calls for an action in async mode: its replica's
+        socket (Ray calls from another node), or Ray calls (``inference.transport``)."""
+        if self.cfg.inference.transport == "socket":
+            return SocketServiceClient(self.service_of(worker))
         return ServiceClient(self.service_of(worker))
 
     def groups(self) -> list[Group]:
