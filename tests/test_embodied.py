@@ -118,14 +118,19 @@ def test_lockstep_run_with_in_place_dist_sync_serves_every_version(ray_session, 
     assert summary["eval"]["end"]["version"] == 3  # the service evaluated the last version
 
 
-@pytest.mark.parametrize("transport", ["ray", "socket"])
+@pytest.mark.parametrize(("transport", "envs"), [("ray", 1), ("socket", 1), ("socket", 2)])
 def test_async_run_bounds_the_lag_keeps_the_books_and_contains_env_crashes(
-    ray_session, tmp_path, transport
+    ray_session, tmp_path, transport, envs
 ):
     # The env factory lives in this module, which Ray's workers cannot import.
     ray_session.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     cfg = tiny_config(
-        *SMALL, "mode=async", "max_staleness=1", "steps=4", f"inference.transport={transport}"
+        *SMALL,
+        "mode=async",
+        "max_staleness=1",
+        "steps=4",
+        f"inference.transport={transport}",
+        f"rollout.envs_per_worker={envs}",
     )
     summary = train(cfg, tmp_path / "run", make_env=functools.partial(crashing_babyai, cfg.env))
     assert summary["status"] == "finished" and summary["steps"] == 4

@@ -166,6 +166,7 @@ class EmbodiedWorkload:
                 functools.partial(self.make_env, seed + 1000),
                 segment_len=cfg.rollout.segment_len if role == "rollout_worker" else 10**9,
                 seed=seed,
+                envs=cfg.rollout.envs_per_worker if role == "rollout_worker" else 1,
                 task_sampler=TaskSampler(self.tasks, seed),
                 max_consecutive_errors=cfg.rollout.max_consecutive_errors,
             )
