@@ -565,7 +565,7 @@ class InferenceConfig(_Section):
         "the whole transfer runs inside the model lock and stalls every request.",
     )
     transport: Literal["socket", "ray"] = Field(
-        "ray",
+        "socket",
         description="How rollout workers ask for actions in async mode. socket: each worker keeps "
         "a Unix-socket connection to its replica and sends raw bytes, no Ray call per env step "
         "(a worker on another node than its replica falls back to Ray calls); ray: one Ray actor "
