@@ -2,8 +2,10 @@
 against the Unix-socket path (``socket``), beside the single-process reference, on one machine.
 
 Arms take turns (reference, ray, socket, then again for each repeat) so that load from other
-processes falls on each alike. Each pipeline arm trains ``configs/babyai.yaml`` for ``--steps``
-trainer steps (too few to learn; the rate is the point) and reports
+processes falls on each alike; ``--batched W E`` adds an arm ``socket_WxE``: the socket path
+with W workers of E envs each (``rollout.envs_per_worker``). Each pipeline arm trains
+``configs/babyai.yaml`` for ``--steps`` trainer steps (too few to learn; the rate is the point)
+and reports
 
 - ``env_steps_per_s`` (trained, over the RL window) and ``steady_env_steps_per_s`` (between the
   first and the last trainer step);
@@ -11,6 +13,11 @@ trainer steps (too few to learn; the rate is the point) and reports
 - CPU seconds per 1,000 trained env steps of every process the run started, by role (sampled
   from ``/proc`` every half second; Ray's own processes are ``ray``), over the whole run;
 - the machine's 1-minute load average at the start and end of each arm.
+
+Ray starts its workers at nice 15 unless told otherwise, and the reference runs at nice 0: on a
+machine shared with other nice-0 work the pipeline would then get less CPU than the reference for
+reasons that have nothing to do with it. ``--ray-niceness`` (0 by default) sets Ray's
+``RAY_worker_niceness`` before the first run starts Ray.
 
 The reference arm runs ``benchmarks/babyai_reference.py`` (same policy, same curriculum, one
 process, one thread) for ``--reference-minutes`` and reports its env steps per second.
@@ -52,6 +59,7 @@ from relayrl.job import train  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 NAME = "embodied_hot_path"
 TRANSPORTS = ("ray", "socket")
+WORKER_NICENESS = "RAY_worker_niceness"  # Ray's own spelling
 STAGES = ["BabyAI-GoToLocalS5N2-v0", "BabyAI-GoToLocalS6N3-v0", "BabyAI-GoToLocalS7N4-v0"]
 ROLES = {  # process title prefix (as /proc/PID/stat shows it, 15 characters) -> role
     "ray::RolloutWor": "rollout_workers",
@@ -64,15 +72,16 @@ ROLES = {  # process title prefix (as /proc/PID/stat shows it, 15 characters) ->
 def main(argv: list[str] | None = None) -> int:
     """Run the arms in turn, write the JSON and the plot, print the table."""
     args = parse_args(argv)
+    os.environ[WORKER_NICENESS] = str(args.ray_niceness)
     runs = []
     with tempfile.TemporaryDirectory(prefix="relayrl-bench-") as tmp:
         try:
             for repeat in range(args.repeats):
                 if args.reference_minutes > 0:
                     runs.append(run_reference(args, repeat, Path(tmp)))
-                for transport in TRANSPORTS:
-                    say(f"repeat {repeat + 1}/{args.repeats}: transport={transport}")
-                    runs.append(run_pipeline(args, transport, repeat, Path(tmp)))
+                for arm, overrides in arms(args).items():
+                    say(f"repeat {repeat + 1}/{args.repeats}: {arm}")
+                    runs.append(run_pipeline(args, arm, overrides, repeat, Path(tmp)))
         finally:
             ray.shutdown()
     result = {
@@ -86,7 +95,9 @@ def main(argv: list[str] | None = None) -> int:
             "steps": args.steps,
             "repeats": args.repeats,
             "reference_minutes": args.reference_minutes,
+            "ray_worker_niceness": args.ray_niceness,
             "overrides": args.overrides,
+            "arms": arms(args),
         },
         "arms": summarise(runs),
         "runs": runs,
@@ -104,9 +115,32 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--reference-minutes", type=float, default=1.5, help="reference arm length (0: none)"
     )
+    parser.add_argument(
+        "--ray-niceness", type=int, default=0, help="nice of Ray's workers (Ray's default: 15)"
+    )
+    parser.add_argument(
+        "--batched",
+        type=int,
+        nargs=2,
+        metavar=("W", "E"),
+        help="add an arm: the socket path with W workers of E envs each",
+    )
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     parser.add_argument("overrides", nargs="*", help="a.b=value items for the pipeline arms")
     return parser.parse_args(argv)
+
+
+def arms(args: argparse.Namespace) -> dict[str, list[str]]:
+    """The pipeline arms: name -> the overrides that make it."""
+    out = {t: [f"inference.transport={t}"] for t in TRANSPORTS}
+    if args.batched:
+        workers, envs = args.batched
+        out[f"socket_{workers}x{envs}"] = [
+            "inference.transport=socket",
+            f"rollout.workers={workers}",
+            f"rollout.envs_per_worker={envs}",
+        ]
+    return out
 
 
 def say(text: str) -> None:
@@ -114,7 +148,9 @@ def say(text: str) -> None:
     print(f"[{NAME}] {text}", file=sys.stderr, flush=True)
 
 
-def run_pipeline(args: argparse.Namespace, transport: str, repeat: int, tmp: Path) -> dict:
+def run_pipeline(
+    args: argparse.Namespace, arm: str, overrides: list[str], repeat: int, tmp: Path
+) -> dict:
     """Train one pipeline run and keep the numbers this benchmark reports."""
     cfg = load_config(
         args.config,
@@ -123,7 +159,7 @@ def run_pipeline(args: argparse.Namespace, transport: str, repeat: int, tmp: Pat
             "env.eval_workers=1",
             *args.overrides,
             f"steps={args.steps}",
-            f"inference.transport={transport}",
+            *overrides,
             "log.every=1",  # the steady rate reads every step's row of metrics.jsonl
             "log.eval_every=0",
             "log.progress=false",
@@ -133,10 +169,10 @@ def run_pipeline(args: argparse.Namespace, transport: str, repeat: int, tmp: Pat
     )
     load = os.getloadavg()[0]
     with CpuSampler() as cpu, contextlib.redirect_stdout(sys.stderr):
-        summary = train(cfg, tmp / f"{transport}-{repeat}")
+        summary = train(cfg, tmp / f"{arm}-{repeat}")
     perf, trained = summary["perf"], summary["samples"]["trained"]
     return {
-        "arm": transport,
+        "arm": arm,
         "repeat": repeat,
         "env_steps_per_s": summary["rollout"]["env_steps_per_s"],
         "steady_env_steps_per_s": steady_rate(Path(summary["artifacts"]["metrics"])),
@@ -240,10 +276,8 @@ def _descendants(root: int) -> list[int]:
 def summarise(runs: list[dict]) -> dict:
     """Means per arm, and the socket arm's ratios to the ray arm and to the reference."""
     arms: dict[str, dict] = {}
-    for arm in ("reference", *TRANSPORTS):
+    for arm in dict.fromkeys(r["arm"] for r in runs):
         mine = [r for r in runs if r["arm"] == arm]
-        if not mine:
-            continue
         arms[arm] = {"env_steps_per_s": mean(r["env_steps_per_s"] for r in mine)}
         if arm != "reference":
             arms[arm]["steady_env_steps_per_s"] = mean(r["steady_env_steps_per_s"] for r in mine)
@@ -255,14 +289,15 @@ def summarise(runs: list[dict]) -> dict:
                 k: mean(r["cpu_s_per_1k_steps"].get(k, 0.0) for r in mine) for k in sorted(roles)
             }
     ratios = {}
-    for arm in TRANSPORTS:
-        if arm in arms and "reference" in arms:
+    pipeline = [arm for arm in arms if arm != "reference"]
+    for arm in pipeline:
+        if "reference" in arms:
             ratios[f"{arm}_over_reference"] = (
                 arms[arm]["steady_env_steps_per_s"] / arms["reference"]["env_steps_per_s"]
             )
-    if all(arm in arms for arm in TRANSPORTS):
-        for key in ("env_steps_per_s", "steady_env_steps_per_s"):
-            ratios[f"socket_over_ray_{key}"] = arms["socket"][key] / arms["ray"][key]
+        if arm != "ray" and "ray" in arms:
+            for key in ("env_steps_per_s", "steady_env_steps_per_s"):
+                ratios[f"{arm}_over_ray_{key}"] = arms[arm][key] / arms["ray"][key]
     arms["ratios"] = ratios
     return arms
 
@@ -270,7 +305,7 @@ def summarise(runs: list[dict]) -> dict:
 def plot(result: dict, path: Path) -> Path:
     """Env steps/s per arm and run, and CPU seconds per 1,000 env steps by role."""
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
-    arms = [a for a in ("reference", *TRANSPORTS) if a in result["arms"]]
+    arms = [a for a in result["arms"] if a != "ratios"]
     for x, arm in enumerate(arms):
         rates = [
             r.get("steady_env_steps_per_s", r["env_steps_per_s"])
@@ -281,7 +316,7 @@ def plot(result: dict, path: Path) -> Path:
         left.scatter([x] * len(rates), rates, color="k", zorder=3, s=12)
     left.set_xticks(range(len(arms)), arms)
     left.set_ylabel("env steps / s (pipeline: steady)")
-    pipeline = [a for a in TRANSPORTS if a in result["arms"]]
+    pipeline = [a for a in arms if a != "reference"]
     roles = sorted({k for a in pipeline for k in result["arms"][a]["cpu_s_per_1k_steps"]})
     bottom = [0.0] * len(pipeline)
     for role in roles:
@@ -305,10 +340,9 @@ def markdown_table(result: dict) -> str:
         "CPU s per 1k steps: workers / inference / trainer / buffer / ray / driver |",
         "|---|---|---|---|---|",
     ]
-    for arm in ("reference", *TRANSPORTS):
-        if arm not in arms:
+    for arm, a in arms.items():
+        if arm == "ratios":
             continue
-        a = arms[arm]
         if arm == "reference":
             lines.append(f"| reference (1 process) | {a['env_steps_per_s']:.0f} | - | - | - |")
             continue
@@ -316,7 +350,7 @@ def markdown_table(result: dict) -> str:
         roles = ("rollout_workers", "inference_service", "trainer", "replay_buffer", "ray")
         shown = " / ".join(f"{cpu.get(k, 0.0):.2f}" for k in (*roles, "driver"))
         lines.append(
-            f"| `inference.transport={arm}` | {a['env_steps_per_s']:.0f} / "
+            f"| {arm} | {a['env_steps_per_s']:.0f} / "
             f"{a['steady_env_steps_per_s']:.0f} | {a['busy']['trainer']:.2f} | "
             f"{a['busy']['inference_service']:.2f} | {shown} |"
         )
