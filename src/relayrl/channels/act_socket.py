@@ -92,7 +92,9 @@ def decode_replies(payload: bytes | memoryview, count: int) -> list[ActReply]:
     return replies
 
 
-async def serve_connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, act: Act):
+async def serve_connection(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, act: Act
+) -> None:
     """Answer one worker's requests with ``act`` until it closes the connection. An error of
     ``act`` goes back to the worker as text; the connection stays open."""
     try:
