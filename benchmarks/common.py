@@ -121,7 +121,7 @@ def accuracy(generator: Generator, rewarder: Rewarder, split: str) -> float:
 
 def train_from(cfg: Config, run_dir: Path) -> dict:
     """Train one run (its summary to stderr, stdout kept for tables); its held-out curve, start
-    and end accuracy, mean trained reward, books and wall clock."""
+    and end accuracy, mean trained reward, books, mean pi/mu ratio, lag and wall clock."""
     with contextlib.redirect_stdout(sys.stderr):
         summary = train(cfg, run_dir)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
@@ -135,6 +135,8 @@ def train_from(cfg: Config, run_dir: Path) -> dict:
         "eval_curve": curve,
         "trained_reward_mean": sum(trained) / len(trained) if trained else None,
         "samples_accounted": summary["samples"]["accounted"],
+        "ratio_mean": summary["staleness"]["ratio_mean"],
+        "staleness_mean": summary["staleness"]["mean"],
         "wall_clock_s": summary["wall_clock_s"],
     }
 

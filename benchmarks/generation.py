@@ -27,17 +27,18 @@ Run from the repository root::
 
     python benchmarks/generation.py                      # batch 1..256, then both training runs
     python benchmarks/generation.py --train-steps 0      # throughput only
+    python benchmarks/generation.py --batches            # training runs only
     python benchmarks/generation.py --batches 1 4 --new-tokens 4 --repeats 1 --hidden 64 \\
         --layers 2 --intermediate 128 --train-steps 2 warm_start.max_steps=0 \\
         task.heldout_size=20 --out /tmp/generation-smoke    # smoke run (seconds)
 
-It writes ``benchmarks/results/generation.json`` and ``.png`` and prints a Markdown table.
+It writes ``benchmarks/results/generation.json`` and ``.png`` (``generation_training.*`` for a
+run of the training runs only) and prints a Markdown table.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import datetime
 import shlex
@@ -55,11 +56,10 @@ matplotlib.use("Agg")  # benchmark machines have no display
 import matplotlib.pyplot as plt  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPO, git_state, machine, relative, save_result  # noqa: E402
+from common import REPO, git_state, machine, relative, save_result, train_from  # noqa: E402
 
 from relayrl.config import ModelConfig, load_config  # noqa: E402
 from relayrl.engines.native import sample_chunk  # noqa: E402
-from relayrl.job import train  # noqa: E402
 from relayrl.models.lm import build_policy, load_tokenizer  # noqa: E402
 from relayrl.weight_sync import TRANSPORTS  # noqa: E402
 from relayrl.weight_sync.int8 import to_int8  # noqa: E402
@@ -87,9 +87,13 @@ def main(argv: list[str] | None = None) -> int:
     models = {"fp32": fp32, "int8": int8_copy(fp32)}
     # Random bytes past the special tokens (pad 0, EOS 1, BOS 2), the same for every system.
     prompts = torch.randint(
-        3, len(tokenizer), (max(args.batches), args.prompt_len), generator=torch.Generator()
+        3,
+        len(tokenizer),
+        (max(args.batches, default=1), args.prompt_len),
+        generator=torch.Generator(),
     ).tolist()
-    throughput: dict[str, dict[str, dict]] = {system: {} for system in args.systems}
+    systems = args.systems if args.batches else []
+    throughput: dict[str, dict[str, dict]] = {system: {} for system in systems}
     gaps: dict[str, dict] = {}
     for batch in args.batches:
         times = time_generation(args.systems, models, prompts[:batch], args)
@@ -125,14 +129,22 @@ def main(argv: list[str] | None = None) -> int:
         "int8_logprob_gap": gaps,
         "training": runs,
     }
-    save_result(args.out, NAME, result, plot, markdown_table(result))
+    # With no batch sizes only the training runs ran: their own file, leaving the timings' alone.
+    name = NAME if args.batches else f"{NAME}_training"
+    save_result(args.out, name, result, plot, markdown_table(result))
     return 0
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """The command line; ``overrides`` are ``a.b=value`` items for the training runs' config."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64, 256])
+    parser.add_argument(
+        "--batches",
+        type=int,
+        nargs="*",
+        default=[1, 4, 16, 64, 256],
+        help="batch sizes to time (1 4 16 64 256); none: only the training runs",
+    )
     parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS[:3]))
     parser.add_argument("--prompt-len", type=int, default=32, help="tokens in every prompt")
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens generated per row")
@@ -233,8 +245,8 @@ def precision_gap(
 
 
 def train_runs(args: argparse.Namespace) -> dict:
-    """The config trained with an fp32 and with an int8 generator: final held-out accuracy and
-    mean pi/mu ratio of each."""
+    """The config trained with an fp32 and with an int8 generator: each run's held-out curve,
+    final accuracy and mean pi/mu ratio."""
     runs = {}
     with tempfile.TemporaryDirectory(prefix="relayrl-generation-") as tmp:
         for precision in ("fp32", "int8"):
@@ -249,27 +261,32 @@ def train_runs(args: argparse.Namespace) -> dict:
             ]
             cfg = load_config(args.config, overrides)
             print(f"[{NAME}] training with generator.precision={precision}", file=sys.stderr)
-            start = time.perf_counter()
             try:
-                with contextlib.redirect_stdout(sys.stderr):  # keep stdout for the table
-                    summary = train(cfg, Path(tmp) / precision)
+                run = train_from(cfg, Path(tmp) / precision)
             finally:
                 ray.shutdown()
-            runs[precision] = {
-                "steps": summary["steps"],
-                "accuracy_start": summary["eval"]["start"]["accuracy"],
-                "accuracy_end": summary["eval"]["end"]["accuracy"],
-                "ratio_mean": summary["staleness"]["ratio_mean"],
-                "staleness_mean": summary["staleness"]["mean"],
-                "wall_clock_s": time.perf_counter() - start,
+            runs[precision] = run | {
+                "steps": cfg.steps,
                 "overrides": [relative(item) for item in overrides if "out_dir" not in item],
             }
     return runs
 
 
 def plot(result: dict, path: Path) -> Path:
-    """Tokens/s against batch size, one line per system (log-log)."""
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    """Tokens/s against batch size, one line per system (log-log); held-out accuracy against
+    step of the fp32 and int8 training runs."""
+    panels = [part for part in ("throughput", "training") if result[part]]
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.2), squeeze=False)
+    for ax, part in zip(axes[0], panels, strict=True):
+        (_throughput_panel if part == "throughput" else _training_panel)(ax, result)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _throughput_panel(ax: plt.Axes, result: dict) -> None:
+    """Tokens/s against batch size, one line per system."""
     for system, rows in result["throughput"].items():
         batches = [int(b) for b in rows]
         ax.plot(batches, [rows[b]["tokens_per_s"] for b in rows], marker="o", label=system)
@@ -285,15 +302,46 @@ def plot(result: dict, path: Path) -> Path:
     )
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+
+
+def _training_panel(ax: plt.Axes, result: dict) -> None:
+    """Held-out accuracy against RL step, one line per generator precision."""
+    for precision, run in result["training"].items():
+        steps, accuracy = zip(*run["eval_curve"], strict=True)
+        ax.plot(steps, accuracy, marker="o", label=f"generator.precision={precision}")
+    ax.set_xlabel("RL step")
+    ax.set_ylabel("held-out accuracy (greedy, exact answer)")
+    ax.set_title("the default job, trained in full precision", fontsize=9)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
 
 
 def markdown_table(result: dict) -> str:
     """Tokens/s per batch size and system, ratios to native-fp32, and the training runs."""
     systems = list(result["throughput"])
+    lines = _throughput_rows(result, systems) if systems else []
+    if result["training"]:
+        if lines:
+            lines.append("")
+        lines += ["| generator.precision | steps | held-out start | end | mean pi/mu |"]
+        lines.append("|---|---|---|---|---|")
+        for precision, run in result["training"].items():
+            ratio = run["ratio_mean"]
+            lines.append(
+                f"| {precision} | {run['steps']} | {run['start_accuracy']:.3f} "
+                f"| {run['final_accuracy']:.3f} | {'-' if ratio is None else f'{ratio:.4f}'} |"
+            )
+    m = result["machine"]
+    lines += [
+        "",
+        f"Command: `{result['command']}`; {m['platform']}, {m['cpu_count']} CPUs, "
+        f"torch {m['torch']}, transformers {m['transformers']}.",
+    ]
+    return "\n".join(lines)
+
+
+def _throughput_rows(result: dict, systems: list[str]) -> list[str]:
+    """The throughput table: tokens/s, ratios to native-fp32 and the int8 log-prob gap."""
     ratios = [s for s in systems if s != "native-fp32" and "native-fp32" in systems]
     head = ["batch", *systems, *(f"{s} / native-fp32" for s in ratios), "int8 |mu - log pi|"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -304,22 +352,7 @@ def markdown_table(result: dict) -> str:
         cells += [f"{speed[s] / speed['native-fp32']:.2f}x" for s in ratios]
         cells.append(f"mean {gap['mean_abs']:.4f}, max {gap['max_abs']:.4f}")
         lines.append("| " + " | ".join(cells) + " |")
-    if result["training"]:
-        lines += ["", "| generator.precision | steps | held-out start | end | mean pi/mu |"]
-        lines.append("|---|---|---|---|---|")
-        for precision, run in result["training"].items():
-            ratio = run["ratio_mean"]
-            lines.append(
-                f"| {precision} | {run['steps']} | {run['accuracy_start']:.3f} "
-                f"| {run['accuracy_end']:.3f} | {'-' if ratio is None else f'{ratio:.4f}'} |"
-            )
-    m = result["machine"]
-    lines += [
-        "",
-        f"Command: `{result['command']}`; {m['platform']}, {m['cpu_count']} CPUs, "
-        f"torch {m['torch']}, transformers {m['transformers']}.",
-    ]
-    return "\n".join(lines)
+    return lines
 
 
 if __name__ == "__main__":

@@ -251,13 +251,14 @@ def train_classifier(cfg: Config, args: argparse.Namespace, start_dir: Path, out
     for step in range(args.rm_steps):
         prompts, rights, wrongs = _preference_batch(task, wrong, 64, rng)
         scores = _scores(model, tokenizer, prompts + prompts, rights + wrongs)
-        loss = -torch.nn.functional.logsigmoid(scores[: len(prompts)] - scores[len(prompts) :])
+        margin = scores[: len(prompts)] - scores[len(prompts) :]
+        loss = -torch.nn.functional.logsigmoid(margin).mean()
         optimizer.zero_grad(set_to_none=True)
-        loss.mean().backward()
+        loss.backward()
         optimizer.step()
         schedule.step()
         if step % 50 == 0 or step == args.rm_steps - 1:
-            losses.append((step, float(loss.mean())))
+            losses.append((step, loss.item()))
     model.eval()
     with torch.no_grad():
         ranking = _ranking(model, tokenizer, task, heldout_samples)

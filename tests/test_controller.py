@@ -132,20 +132,6 @@ def test_in_place_dist_sync_serves_the_weights_the_trainer_trained(ray_session, 
         assert r["loss/log_ratio_p99"] <= r["loss/log_ratio_max"] < 0.01, r
 
 
-def test_partial_rollouts_through_ray_keep_the_books_and_the_bound(ray_session, tmp_path):
-    _, summary = _run(
-        tmp_path,
-        "mode=async",
-        "max_staleness=2",
-        "generator.max_new_tokens=4",
-        "generator.max_new_tokens_per_step=2",
-    )
-    samples = summary["samples"]
-    assert summary["steps"] == 6 and samples["accounted"]
-    assert samples["trained"] + samples["dropped_stale"] > 0
-    assert summary["staleness"]["max"] <= 2
-
-
 def test_sync_with_partial_rollouts_counts_only_batches_that_reached_the_trainer(
     ray_session, tmp_path
 ):
@@ -191,11 +177,24 @@ def test_transport_follows_placement():
         pick_transport("shm", "n1", ["n2"])
 
 
-def test_async_replicas_each_generate_score_and_serve_every_version(ray_session, tmp_path):
+def test_async_replicas_with_partial_rollouts_generate_score_and_serve_every_version(
+    ray_session, tmp_path
+):
+    # Partial rollouts (2 of 4 tokens per generator step) ride along: they keep the books and
+    # the bound with replicas as with one generator.
     _, summary = _run(
-        tmp_path, "mode=async", "max_staleness=2", "generator.replicas=2", "rewarder.replicas=2"
+        tmp_path,
+        "mode=async",
+        "max_staleness=2",
+        "generator.replicas=2",
+        "rewarder.replicas=2",
+        "generator.max_new_tokens=4",
+        "generator.max_new_tokens_per_step=2",
     )
-    assert summary["samples"]["accounted"] and summary["staleness"]["max"] <= 2
+    samples = summary["samples"]
+    assert summary["steps"] == 6 and samples["accounted"]
+    assert samples["trained"] + samples["dropped_stale"] > 0
+    assert summary["staleness"]["max"] <= 2
     replicas = summary["generation"]["replicas"]
     assert set(replicas) == {"generator_0", "generator_1"}
     assert all(r["tokens_generated"] > 0 for r in replicas.values())
