@@ -447,3 +447,10 @@ def test_acce_options_reach_the_task_choice_and_the_vla_config():
     assert choice.weights() == pytest.approx([3 / 4, 1 / 4])
     assert vla_config(cfg, views=1, dims=1, vocab=3).value_head == "acce"
     assert load_config(REPO / "configs" / "babyai.yaml").vla.value_head == "action_aware_attention"
+
+
+def test_several_envs_per_worker_need_the_async_loop():
+    with pytest.raises(ConfigError, match="rollout.envs_per_worker=2 needs mode=async"):
+        load_config(None, ["workload=embodied", "mode=sync", "rollout.envs_per_worker=2"])
+    cfg = load_config(None, ["workload=embodied", "mode=async", "rollout.envs_per_worker=2"])
+    assert cfg.rollout.envs_per_worker == 2

@@ -118,10 +118,20 @@ def test_lockstep_run_with_in_place_dist_sync_serves_every_version(ray_session, 
     assert summary["eval"]["end"]["version"] == 3  # the service evaluated the last version
 
 
-def test_async_run_bounds_the_lag_keeps_the_books_and_contains_env_crashes(ray_session, tmp_path):
+@pytest.mark.parametrize(("transport", "envs"), [("ray", 1), ("socket", 1), ("socket", 2)])
+def test_async_run_bounds_the_lag_keeps_the_books_and_contains_env_crashes(
+    ray_session, tmp_path, transport, envs
+):
     # The env factory lives in this module, which Ray's workers cannot import.
     ray_session.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    cfg = tiny_config(*SMALL, "mode=async", "max_staleness=1", "steps=4")
+    cfg = tiny_config(
+        *SMALL,
+        "mode=async",
+        "max_staleness=1",
+        "steps=4",
+        f"inference.transport={transport}",
+        f"rollout.envs_per_worker={envs}",
+    )
     summary = train(cfg, tmp_path / "run", make_env=functools.partial(crashing_babyai, cfg.env))
     assert summary["status"] == "finished" and summary["steps"] == 4
     samples = check_books(summary)
@@ -135,7 +145,11 @@ def test_async_run_bounds_the_lag_keeps_the_books_and_contains_env_crashes(ray_s
     assert 0 <= summary["replay"]["occupancy_end"] <= 1
     assert summary["dwr"]["weights"] == {"BabyAI-GoToLocalS7N4-v0": 1.0}
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
-    assert [m["version"] for m in metrics if "version" in m] == list(range(1, 5))
+    versions = [m["version"] for m in metrics if "version" in m]
+    # With two envs a worker outruns this tiny trainer, and a prefetched batch can age past
+    # max_staleness=1 whole: that step drops it (counted above) and takes no optimizer step.
+    stepped = 4 if envs == 1 else len(versions)
+    assert versions == list(range(1, stepped + 1))
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])

@@ -119,12 +119,14 @@ def test_a_dead_trainer_rank_fails_the_run_and_names_it(ray_session, tmp_path, m
     assert summary["resume"] == f"relayrl train --resume {run_dir}"
 
 
-@pytest.mark.parametrize("mode", ["async", "sync"])
+@pytest.mark.parametrize(
+    ("mode", "transport"), [("async", "ray"), ("async", "socket"), ("sync", "ray")]
+)
 def test_killed_inference_replicas_and_rollout_workers_are_replaced_and_the_books_balance(
-    ray_session, tmp_path, monkeypatch, mode
+    ray_session, tmp_path, monkeypatch, mode, transport
 ):
     monkeypatch.setitem(job.WORKLOADS, "embodied", KeptEmbodied)
-    cfg = tiny_config(*EMBODIED, f"mode={mode}", "steps=5")
+    cfg = tiny_config(*EMBODIED, f"mode={mode}", "steps=5", f"inference.transport={transport}")
     run_dir = tmp_path / "run"
     how = ("ray.kill", "os.kill") if mode == "async" else ("os.kill", "ray.kill")
     kills = [(1, "inference_service", 0, how[0]), (3, "rollout_worker", 1, how[1])]

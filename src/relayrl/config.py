@@ -490,9 +490,15 @@ class EnvConfig(_Section):
 
 
 class RolloutConfig(_Section):
-    """embodied: rollout workers, one environment each."""
+    """embodied: rollout workers and their environments."""
 
     workers: int = Field(8, ge=1, description="Rollout workers (Ray actors).")
+    envs_per_worker: int = Field(
+        1,
+        ge=1,
+        description="Environments each rollout worker steps (async mode only): it asks for all "
+        "their actions in one request and steps them together, one thread each.",
+    )
     resources: dict[str, float] = _resources("rollout-worker (and evaluator)")
     segment_len: int = Field(
         32, ge=1, description="Most steps in one trajectory segment (L); episodes are cut."
@@ -557,6 +563,13 @@ class InferenceConfig(_Section):
         description="Receive new weights beside forward passes, into the receiver's second copy "
         "(held anyway, so no extra memory); requests wait only for the pointer swap. false: "
         "the whole transfer runs inside the model lock and stalls every request.",
+    )
+    transport: Literal["socket", "ray"] = Field(
+        "socket",
+        description="How rollout workers ask for actions in async mode. socket: each worker keeps "
+        "a Unix-socket connection to its replica and sends raw bytes, no Ray call per env step "
+        "(a worker on another node than its replica falls back to Ray calls); ray: one Ray actor "
+        "call per env step.",
     )
     resources: dict[str, float] = _resources("inference-service")
 
@@ -950,6 +963,11 @@ class Config(_Section):
                 "trainer.advantage=gae with trainer.kl_in=reward is not supported: the critic "
                 "computes GAE from the rewards before the trainer's KL shaping; use "
                 "trainer.kl_in=loss"
+            )
+        if self.mode == "sync" and self.rollout.envs_per_worker > 1:
+            raise ValueError(
+                f"rollout.envs_per_worker={self.rollout.envs_per_worker} needs mode=async: the "
+                "lockstep loop steps one env per worker; use rollout.workers instead"
             )
         if self.generator.precision == "int8" and self.sync.precision not in (None, "int8"):
             raise ValueError(

@@ -541,6 +541,12 @@ class ServiceClient:
     def __call__(self, obs: Observation, worker: int, env_steps: int) -> ActReply:
         return ray.get(self.service.act.remote(obs, worker, env_steps))
 
+    def act_many(
+        self, observations: list[Observation], worker: int, env_steps: int
+    ) -> list[ActReply]:
+        """The replies to ``observations``: one call each, all in flight at once."""
+        return ray.get([self.service.act.remote(o, worker, env_steps) for o in observations])
+
 
 class BufferSink:
     """Where a rollout worker actor puts its segments: the replay-buffer actor."""

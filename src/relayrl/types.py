@@ -9,6 +9,16 @@ import numpy as np
 
 
 @dataclass
+class ActReply:
+    """The policy's answer to one observation."""
+
+    actions: np.ndarray  # int64 [D] action tokens
+    logprobs: np.ndarray  # float32 [D] behaviour log-prob mu of each token
+    value: float  # behaviour value estimate of the observation
+    version: int  # policy version of the weights that computed this reply
+
+
+@dataclass
 class RolloutBatch:
     """A batch of finished completions, columnar, laid out as consecutive groups of one prompt.
 

@@ -199,6 +199,48 @@ def test_run_loops_until_max_segments_or_stop():
     assert worker.run(service, sink) == 2
 
 
+class BatchedService:
+    """A service with ``act_many``: action = the episode step mod 4, value = the mean pixel."""
+
+    def __init__(self):
+        self.batches: list[int] = []
+
+    def act_many(self, observations, worker, env_steps):
+        self.batches.append(len(observations))
+        return [
+            ActReply(np.array([o.step % 4]), np.array([-0.5], np.float32), o.image.mean(), 1)
+            for o in observations
+        ]
+
+
+def test_a_worker_steps_several_envs_with_one_request_and_keeps_one_set_of_books():
+    # Env 0 crashes at its 5th step, env 2 at its 9th; episodes are 7 steps (L = 3).
+    factory = Factory({"fail_step": [5]}, {"offset": 1}, {"fail_step": [9], "offset": 2}, {})
+    worker = RolloutWorker(0, factory, segment_len=3, seed=0, envs=3)
+    service = BatchedService()
+    segments: list = []
+    worker.run(service, segments.append, max_segments=20)
+    assert set(service.batches) == {3}  # every request asked for all three envs
+    stats = worker.stats()
+    assert stats["env_errors"] == 2 and stats["dropped_error_steps"] > 0
+    emitted = stats["segment_steps"] + stats["dropped_error_steps"] + stats["open_steps"]
+    assert stats["env_steps"] == emitted
+    assert stats["segment_steps"] == sum(len(s) for s in segments)
+    by_episode: dict[int, list] = {}
+    for seg in segments:
+        by_episode.setdefault(seg.episode, []).append(seg)
+    for episode in by_episode.values():  # one env's episode: its steps follow on, one env's pixels
+        steps = [int(x) for seg in episode for x in seg.steps[:-1]]
+        assert steps == list(range(steps[0], steps[0] + len(steps)))
+        assert len({p % 10 for seg in episode for p in pixels(seg)}) == 1
+        for seg in episode:
+            assert seg.actions[:, 0].tolist() == [t % 4 for t in seg.steps[:-1].tolist()]
+            assert seg.values.tolist() == pixels(seg)[:-1]
+    done = [e for e in by_episode.values() if e[-1].episode_done]
+    assert done and all(sum(len(seg) for seg in e) == 7 for e in done)
+    assert stats["episodes"] == len(done)
+
+
 def test_state_dict_keeps_the_books_of_emitted_steps():
     worker = RolloutWorker(0, Factory(), segment_len=3, seed=0)
     drive(worker, 5)  # one segment of 3 emitted, 2 steps open

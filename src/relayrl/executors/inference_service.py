@@ -37,8 +37,10 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from relayrl.channels.act_socket import node_id, serve_connection, socket_path
 from relayrl.envs.embodied import Observation
 from relayrl.observability.tracing import Span, Tracer
+from relayrl.types import ActReply
 from relayrl.weight_sync import TRANSPORTS, Ticket
 
 # Per-request latencies kept for percentiles; totals cover every request.
@@ -60,16 +62,6 @@ class ActingPolicy(Protocol):
         """images uint8 [B, V, H, W, 3], steps int64 [B] -> (actions int64 [B, D],
         logprobs float32 [B, D], values float32 [B]); sampling draws from ``generator``."""
         ...
-
-
-@dataclass
-class ActReply:
-    """The policy's answer to one observation."""
-
-    actions: np.ndarray  # int64 [D] action tokens
-    logprobs: np.ndarray  # float32 [D] behaviour log-prob mu of each token
-    value: float  # behaviour value estimate of the observation
-    version: int  # policy version of the weights that computed this reply
 
 
 @dataclass
@@ -133,6 +125,9 @@ class InferenceService:
         self.sync_receive: list[float] = []  # per received publish, in order
         self.sync_drain: list[float] = []  # of each: the swap's wait for the forward in flight
         self._reported: dict[int, int] = {}  # rollout worker id -> env steps at its last request
+        self._server: asyncio.Server | None = None  # the Unix socket of act_address
+        self._address: dict | None = None
+        self._connections: set[asyncio.Task] = set()
         self._reset_counters()
 
     async def act(
@@ -151,6 +146,25 @@ class InferenceService:
         self._pending.append(_Request(obs, future, time.monotonic()))
         self._arrived.set()
         return await future
+
+    async def act_address(self) -> dict:
+        """Where rollout workers on this node reach ``act`` without a Ray call per request:
+        ``{"path": abstract Unix socket address or None, "node": Ray node id}`` (see
+        ``relayrl.channels.act_socket``). The socket opens at the first call."""
+        if self._address is None:
+            path = socket_path()
+            if path is not None:
+                self._server = await asyncio.start_unix_server(self._connected, path=path)
+            self._address = {"path": path, "node": node_id()}
+        return self._address
+
+    async def _connected(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        self._connections.add(task)
+        try:
+            await serve_connection(reader, writer, self.act)
+        finally:
+            self._connections.discard(task)
 
     async def act_batch(
         self, observations: Sequence[Observation], *, greedy: bool = False
@@ -289,7 +303,14 @@ class InferenceService:
         self.generator.set_state(state["generator"])
 
     async def close(self) -> None:
-        """Stop batching; requests still waiting fail with ``RuntimeError``."""
+        """Stop batching and close the socket; requests still waiting fail with
+        ``RuntimeError``."""
+        if self._server is not None:
+            self._server.close()
+            for task in list(self._connections):
+                task.cancel()
+            await asyncio.gather(*self._connections, return_exceptions=True)
+            self._server = None
         if self._batcher is not None:
             self._batcher.cancel()
             await asyncio.gather(self._batcher, return_exceptions=True)

@@ -1,19 +1,24 @@
-"""Rollout worker: steps one environment and cuts its episodes into trajectory segments.
+"""Rollout worker: steps its environments and cuts their episodes into trajectory segments.
 
 The worker never runs the policy: it asks a service for each action (``run``, async mode) or is
-handed actions by the controller (``observe`` / ``step``, lockstep mode). A segment ends when the
-episode ends or after ``segment_len`` steps; a longer episode is emitted in pieces whose images
-overlap by one observation (the last image of a piece is the first of the next).
+handed actions by the controller (``observe`` / ``step``, lockstep mode, one env). A segment ends
+when the episode ends or after ``segment_len`` steps; a longer episode is emitted in pieces whose
+images overlap by one observation (the last image of a piece is the first of the next).
+
+In ``run`` a worker may step ``envs`` environments: it asks for all their actions in one request
+(``act_many`` where the service has it) and steps them together, each on its own thread, so that
+the round trips to the service, and the worker processes, are ``envs`` times fewer. Each env plays
+its own episodes and fills its own segments; the books are the worker's.
 
 An environment that raises in ``reset`` or ``step`` does not stop the worker: the episode ends, the
 steps of its unfinished segment are counted as ``dropped_error_steps``, the env is closed and built
 anew, and the worker carries on. Every env step is accounted for:
-``env_steps == segment_steps + dropped_error_steps + open_steps``.
+``env_steps == segment_steps + dropped_error_steps + open_steps`` (open steps of every env).
 
 The worker's books leave it with every request for an action (``run``: its id and ``env_steps``)
 and every answer to a step (``Stepped.env_steps``), besides the segments it closes: a controller
 then knows how many steps a worker that died took after the last segment it closed (all but a
-step in flight at the death, which only the dead process knew of).
+step in flight at the death, one per env, which only the dead process knew of).
 
 As a Ray actor, create it with ``max_concurrency=2`` so that ``stop``, ``stats`` and
 ``episode_results`` can be called while ``run`` loops.
@@ -27,15 +32,14 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from relayrl.envs.embodied import EmbodiedEnv, Observation, StepResult
-from relayrl.executors.inference_service import ActReply
-from relayrl.types import Segment
+from relayrl.types import ActReply, Segment
 
 
 @dataclass
@@ -76,11 +80,27 @@ class _OpenSegment:
         return cls(images=[_copy_image(obs)], steps=[obs.step])
 
 
-class RolloutWorker:
-    """One environment, stepped in lockstep by a controller or in its own loop by ``run``.
+@dataclass
+class _Slot:
+    """One env of a worker and the episode it is playing (``obs`` None: the next observe
+    resets)."""
 
-    ``worker_id`` tags the segments and results. ``make_env`` builds the environment (again after a
-    crash). ``segment_len`` is the most steps in one segment (L). ``seed`` seeds the stream of
+    env: _EnvThread
+    obs: Observation | None = None
+    open: _OpenSegment | None = None
+    episode: int = -1
+    task: str = ""
+    instruction: str = ""
+    episode_return: float = 0.0
+    length: int = 0
+
+
+class RolloutWorker:
+    """Envs stepped in lockstep by a controller (one) or in the worker's own loop by ``run``.
+
+    ``worker_id`` tags the segments and results. ``make_env`` builds an environment (again after a
+    crash); ``envs`` is how many the worker steps (``observe`` and ``step`` use the first only).
+    ``segment_len`` is the most steps in one segment (L). ``seed`` seeds the stream of
     per-episode reset seeds; give each worker its own. ``task_sampler`` picks the task at each
     reset (None lets the env choose its first task); DWR plugs in here. After
     ``max_consecutive_errors`` env errors with no successful step in between the worker gives up
@@ -97,6 +117,7 @@ class RolloutWorker:
         *,
         segment_len: int,
         seed: int,
+        envs: int = 1,
         task_sampler: Callable[[], str] | None = None,
         max_consecutive_errors: int = 10,
         errors_kept: int = 5,
@@ -104,6 +125,8 @@ class RolloutWorker:
     ):
         if segment_len < 1:
             raise ValueError(f"segment_len must be >= 1, got {segment_len}")
+        if envs < 1:
+            raise ValueError(f"envs must be >= 1, got {envs}")
         if max_consecutive_errors < 1:
             raise ValueError(f"max_consecutive_errors must be >= 1, got {max_consecutive_errors}")
         self.worker_id = worker_id
@@ -111,15 +134,9 @@ class RolloutWorker:
         self.segment_len = segment_len
         self.task_sampler = task_sampler
         self.max_consecutive_errors = max_consecutive_errors
-        self.env = _EnvThread(make_env)
+        self.slots = [_Slot(_EnvThread(make_env)) for _ in range(envs)]
         self._rng = random.Random(seed)
-        self._obs: Observation | None = None  # None: the next observe() resets
-        self._open: _OpenSegment | None = None
-        self._episode = -1
-        self._task = ""
-        self._instruction = ""
-        self._return = 0.0
-        self._length = 0
+        self._episode = -1  # the worker's last episode number, over all its envs
         self._consecutive_errors = 0
         self._stop = threading.Event()
         # Guards what readers on other threads (a threaded Ray actor) copy while ``run`` writes.
@@ -140,9 +157,7 @@ class RolloutWorker:
 
     def observe(self) -> Observation:
         """The observation to act on, starting a new episode first if the last one ended."""
-        while self._obs is None:
-            self._reset()
-        return self._obs
+        return self._observe(self.slots[0])
 
     def step(
         self, action_tokens: np.ndarray, logprobs: np.ndarray, value: float, version: int
@@ -154,46 +169,9 @@ class RolloutWorker:
         behaviour log-probs, ``value`` the behaviour value estimate, ``version`` the policy version
         that chose them. If the env raises, the error is contained and nothing is returned.
         """
-        if self._obs is None:
+        if self.slots[0].obs is None:
             raise RuntimeError("step() needs an observation to act on: call observe() first")
-        space = self.env.action_space
-        tokens = np.asarray(action_tokens, dtype=np.int64)
-        logp = np.asarray(logprobs, dtype=np.float32)
-        if tokens.shape != (space.dims,) or logp.shape != (space.dims,):
-            raise ValueError(
-                f"action_tokens {tokens.shape} and logprobs {logp.shape} must both have shape "
-                f"({space.dims},): one token per action dimension"
-            )
-        start = time.perf_counter()
-        try:
-            result = self.env.step(space.to_env(tokens))
-        except Exception as err:  # crash containment: the worker outlives its env
-            self._on_env_error(err, "step")
-            return Stepped([], self.worker_id, self._counts["env_steps"])
-        finally:
-            self._busy_s += time.perf_counter() - start
-        self._counts["env_steps"] += 1
-        self._consecutive_errors = 0
-        seg = self._open
-        seg.actions.append(tokens)
-        seg.logprobs.append(logp)
-        seg.values.append(float(value))
-        seg.rewards.append(float(result.reward))
-        seg.versions.append(int(version))
-        seg.images.append(_copy_image(result.obs))
-        seg.steps.append(result.obs.step)
-        self._return += float(result.reward)
-        self._length += 1
-        done = result.terminated or result.truncated
-        closed = []
-        if done or len(seg.actions) == self.segment_len:
-            closed.append(self._close_segment(seg, result, done))
-            self._open = None if done else _OpenSegment.starting_at(result.obs)
-        if done:
-            self._finish_episode(result.success)
-        else:
-            self._obs = result.obs
-        return Stepped(closed, self.worker_id, self._counts["env_steps"])
+        return self._step_slots(self.slots[:1], [(action_tokens, logprobs, value, version)])
 
     def run(
         self,
@@ -202,28 +180,38 @@ class RolloutWorker:
         *,
         max_segments: int | None = None,
     ) -> int:
-        """Observe, ask ``service`` for an action, step, hand each closed segment to ``sink``;
-        until ``stop()`` or ``max_segments`` segments (None: no limit). Returns segments emitted.
+        """Observe every env, ask ``service`` for their actions, step them, hand each closed
+        segment to ``sink``; until ``stop()`` or at least ``max_segments`` segments (None: no
+        limit; with several envs the last round may close a few more). Returns segments emitted.
 
         ``service`` maps an observation, the worker's id and its env steps so far to an
         ``ActReply`` (a Ray inference-service handle wrapped in a function, or an in-process
-        callable); ``sink`` takes a segment (e.g. puts it into the replay buffer). Their errors
-        are not contained: they propagate out of ``run``. An unfinished segment stays open and
-        continues at the next ``run`` or ``step``.
+        callable, or a ``SocketServiceClient``); one with ``act_many`` (observations, worker,
+        env steps -> replies) is asked for every env's action at once. ``sink`` takes a segment
+        (e.g. puts it into the replay buffer). Their errors are not contained: they propagate out
+        of ``run``. An unfinished segment stays open and continues at the next ``run`` or
+        ``step``. A ``service`` with a ``close`` method is closed when ``run`` returns.
         """
         emitted = 0
         try:
             while not self._stop.is_set() and (max_segments is None or emitted < max_segments):
-                obs = self.observe()
+                observations = [self._observe(slot) for slot in self.slots]
                 start = time.perf_counter()
-                reply = service(obs, self.worker_id, self._counts["env_steps"])
+                asked = (self.worker_id, self._counts["env_steps"])
+                if hasattr(service, "act_many"):
+                    replies = service.act_many(observations, *asked)
+                else:
+                    replies = [service(obs, *asked) for obs in observations]
                 self._wait_s += time.perf_counter() - start
-                stepped = self.step(reply.actions, reply.logprobs, reply.value, reply.version)
+                answers = [(r.actions, r.logprobs, r.value, r.version) for r in replies]
+                stepped = self._step_slots(self.slots, answers)
                 for segment in stepped.segments:
                     sink(segment)
                     emitted += 1
         finally:
             self._stop.clear()
+            if hasattr(service, "close"):
+                service.close()
         return emitted
 
     def stop(self) -> None:
@@ -245,7 +233,7 @@ class RolloutWorker:
         with self._lock:
             return {
                 **self._counts,
-                "open_steps": len(self._open.actions) if self._open is not None else 0,
+                "open_steps": self._open_steps(),
                 "tasks": {task: dict(counts) for task, counts in self._tasks.items()},
                 "last_errors": list(self._errors),
                 "busy_s": self._busy_s,
@@ -253,11 +241,11 @@ class RolloutWorker:
             }
 
     def state_dict(self) -> dict:
-        """Counters, the episode count and the reset-seed stream. The env and the open segment are
-        not saved: a restored worker starts a fresh episode, and its books leave out the steps of
-        the segment that was open (they were never emitted in that timeline)."""
+        """Counters, the episode count and the reset-seed stream. The envs and the open segments
+        are not saved: a restored worker starts fresh episodes, and its books leave out the steps
+        of the segments that were open (they were never emitted in that timeline)."""
         with self._lock:
-            open_steps = len(self._open.actions) if self._open is not None else 0
+            open_steps = self._open_steps()
             return {
                 "counts": self._counts | {"env_steps": self._counts["env_steps"] - open_steps},
                 "tasks": {task: dict(counts) for task, counts in self._tasks.items()},
@@ -267,7 +255,8 @@ class RolloutWorker:
             }
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore what ``state_dict`` saved and drop the episode in progress (it was not saved)."""
+        """Restore what ``state_dict`` saved and drop the episodes in progress (they were not
+        saved)."""
         with self._lock:
             self._counts = dict(state["counts"])
             self._tasks = {task: dict(counts) for task, counts in state["tasks"].items()}
@@ -275,37 +264,116 @@ class RolloutWorker:
             self._rng.setstate(state["rng"])
             if state.get("task_sampler") is not None:
                 self.task_sampler.load_state_dict(state["task_sampler"])
-            self._obs = None
-            self._open = None
+            for slot in self.slots:
+                slot.obs, slot.open = None, None
 
     def close(self) -> None:
-        """Release the environment."""
-        self.env.close()
+        """Release the environments."""
+        for slot in self.slots:
+            slot.env.close()
 
-    def _reset(self) -> None:
+    def _open_steps(self) -> int:
+        return sum(len(slot.open.actions) for slot in self.slots if slot.open is not None)
+
+    def _observe(self, slot: _Slot) -> Observation:
+        while slot.obs is None:
+            self._reset(slot)
+        return slot.obs
+
+    def _step_slots(self, slots: list[_Slot], answers: list[tuple]) -> Stepped:
+        """Step each of ``slots`` with its answer (tokens, logprobs, value, version), the envs
+        at once, each on its own thread; errors are contained per env, as in ``step``."""
+        space = slots[0].env.action_space
+        checked = []
+        for action_tokens, logprobs, value, version in answers:
+            tokens = np.asarray(action_tokens, dtype=np.int64)
+            logp = np.asarray(logprobs, dtype=np.float32)
+            if tokens.shape != (space.dims,) or logp.shape != (space.dims,):
+                raise ValueError(
+                    f"action_tokens {tokens.shape} and logprobs {logp.shape} must both have shape "
+                    f"({space.dims},): one token per action dimension"
+                )
+            checked.append((tokens, logp, float(value), int(version)))
+        start = time.perf_counter()
+        pending = [
+            slot.env.submit_step(space.to_env(c[0])) for slot, c in zip(slots, checked, strict=True)
+        ]
+        outcomes: list[StepResult | Exception] = []
+        for future in pending:
+            try:
+                outcomes.append(future.result())
+            except Exception as err:  # crash containment: the worker outlives its env
+                outcomes.append(err)
+        self._busy_s += time.perf_counter() - start
+        closed = []
+        for slot, answer, outcome in zip(slots, checked, outcomes, strict=True):
+            if not isinstance(outcome, Exception):
+                closed += self._record(slot, *answer, outcome)
+        for slot, outcome in zip(slots, outcomes, strict=True):
+            if isinstance(outcome, Exception):
+                self._on_env_error(slot, outcome, "step")
+        return Stepped(closed, self.worker_id, self._counts["env_steps"])
+
+    def _record(
+        self,
+        slot: _Slot,
+        tokens: np.ndarray,
+        logp: np.ndarray,
+        value: float,
+        version: int,
+        result: StepResult,
+    ) -> list[Segment]:
+        """Book one env step of ``slot``; returns the segment it closed, if any."""
+        self._counts["env_steps"] += 1
+        self._consecutive_errors = 0
+        seg = slot.open
+        seg.actions.append(tokens)
+        seg.logprobs.append(logp)
+        seg.values.append(value)
+        seg.rewards.append(float(result.reward))
+        seg.versions.append(version)
+        seg.images.append(_copy_image(result.obs))
+        seg.steps.append(result.obs.step)
+        slot.episode_return += float(result.reward)
+        slot.length += 1
+        done = result.terminated or result.truncated
+        closed = []
+        if done or len(seg.actions) == self.segment_len:
+            closed.append(self._close_segment(slot, seg, result, done))
+            slot.open = None if done else _OpenSegment.starting_at(result.obs)
+        if done:
+            self._finish_episode(slot, result.success)
+        else:
+            slot.obs = result.obs
+        return closed
+
+    def _reset(self, slot: _Slot) -> None:
         task = self.task_sampler() if self.task_sampler is not None else None
         start = time.perf_counter()
         try:
-            obs = self.env.reset(task=task, seed=self._rng.randrange(2**31))
+            obs = slot.env.reset(task=task, seed=self._rng.randrange(2**31))
         except Exception as err:  # crash containment, as in step
-            self._on_env_error(err, "reset")
+            self._on_env_error(slot, err, "reset")
             return
         finally:
             self._busy_s += time.perf_counter() - start
         self._episode += 1
-        self._task, self._instruction = obs.task, obs.instruction
-        self._return, self._length = 0.0, 0
-        self._obs = obs
-        self._open = _OpenSegment.starting_at(obs)
+        slot.episode = self._episode
+        slot.task, slot.instruction = obs.task, obs.instruction
+        slot.episode_return, slot.length = 0.0, 0
+        slot.obs = obs
+        slot.open = _OpenSegment.starting_at(obs)
 
-    def _close_segment(self, seg: _OpenSegment, result: StepResult, done: bool) -> Segment:
+    def _close_segment(
+        self, slot: _Slot, seg: _OpenSegment, result: StepResult, done: bool
+    ) -> Segment:
         self._counts["segments"] += 1
         self._counts["segment_steps"] += len(seg.actions)
         return Segment(
             worker=self.worker_id,
-            episode=self._episode,
-            task=self._task,
-            instruction=self._instruction,
+            episode=slot.episode,
+            task=slot.task,
+            instruction=slot.instruction,
             images=np.stack(seg.images),
             steps=np.asarray(seg.steps, dtype=np.int64),
             actions=np.stack(seg.actions),
@@ -320,37 +388,42 @@ class RolloutWorker:
             worker_dropped_error=self._counts["dropped_error_steps"],
         )
 
-    def _finish_episode(self, success: bool) -> None:
+    def _finish_episode(self, slot: _Slot, success: bool) -> None:
         with self._lock:
             self._counts["episodes"] += 1
-            per_task = self._tasks.setdefault(self._task, {"episodes": 0, "successes": 0})
+            per_task = self._tasks.setdefault(slot.task, {"episodes": 0, "successes": 0})
             per_task["episodes"] += 1
             per_task["successes"] += int(success)
             self._results.append(
                 EpisodeResult(
-                    self.worker_id, self._episode, self._task, success, self._return, self._length
+                    self.worker_id,
+                    slot.episode,
+                    slot.task,
+                    success,
+                    slot.episode_return,
+                    slot.length,
                 )
             )
-        self._obs = None
+        slot.obs = None
 
-    def _on_env_error(self, err: Exception, where: str) -> None:
-        """End the episode, count the steps of its unfinished segment, rebuild the env."""
+    def _on_env_error(self, slot: _Slot, err: Exception, where: str) -> None:
+        """End the env's episode, count the steps of its unfinished segment, rebuild the env."""
         with self._lock:
             self._counts["env_errors"] += 1
-            if self._open is not None:
-                self._counts["dropped_error_steps"] += len(self._open.actions)
+            if slot.open is not None:
+                self._counts["dropped_error_steps"] += len(slot.open.actions)
             self._errors.append(f"{where}: {type(err).__name__}: {err}")
-        self._open = None
-        self._obs = None
+        slot.open = None
+        slot.obs = None
         self._consecutive_errors += 1
         with contextlib.suppress(Exception):  # a crashed simulator may fail to close too
-            self.env.close()
+            slot.env.close()
         if self._consecutive_errors >= self.max_consecutive_errors:
             raise RuntimeError(
                 f"rollout worker {self.worker_id}: {self._consecutive_errors} env errors in a row "
                 f"(max_consecutive_errors={self.max_consecutive_errors}); last: {where}: {err!r}"
             ) from err
-        self.env = _EnvThread(self.make_env)
+        slot.env = _EnvThread(self.make_env)
 
 
 class _EnvThread:
@@ -372,7 +445,11 @@ class _EnvThread:
 
     def step(self, action: Any) -> StepResult:
         """``env.step`` on the env's thread."""
-        return self._thread.submit(self.env.step, action).result()
+        return self.submit_step(action).result()
+
+    def submit_step(self, action: Any) -> Future:
+        """``env.step`` started on the env's thread; its future."""
+        return self._thread.submit(self.env.step, action)
 
     def close(self) -> None:
         """``env.close`` on the env's thread, then stop the thread."""

@@ -20,6 +20,7 @@ import ray
 
 from relayrl.algorithms.curriculum import Curriculum
 from relayrl.algorithms.dwr import DynamicWeightedResampler
+from relayrl.channels.act_socket import SocketServiceClient
 from relayrl.config import Config
 from relayrl.envs.embodied import EmbodiedEnv
 from relayrl.executors.inference_service import InferenceService
@@ -165,6 +166,7 @@ class EmbodiedWorkload:
                 functools.partial(self.make_env, seed + 1000),
                 segment_len=cfg.rollout.segment_len if role == "rollout_worker" else 10**9,
                 seed=seed,
+                envs=cfg.rollout.envs_per_worker if role == "rollout_worker" else 1,
                 task_sampler=TaskSampler(self.tasks, seed),
                 max_consecutive_errors=cfg.rollout.max_consecutive_errors,
             )
@@ -238,8 +240,11 @@ class EmbodiedWorkload:
         """The inference replica that answers rollout worker (or evaluator) ``worker``."""
         return self.services[worker % len(self.services)]
 
-    def service_client(self, worker: int) -> ServiceClient:
-        """What rollout worker ``worker`` calls for an action in async mode."""
+    def service_client(self, worker: int) -> ServiceClient | SocketServiceClient:
+        """What rollout worker ``worker`` calls for an action in async mode: its replica's
+        socket (Ray calls from another node), or Ray calls (``inference.transport``)."""
+        if self.cfg.inference.transport == "socket":
+            return SocketServiceClient(self.service_of(worker))
         return ServiceClient(self.service_of(worker))
 
     def groups(self) -> list[Group]:
