@@ -56,10 +56,20 @@ matplotlib.use("Agg")  # benchmark machines have no display
 import matplotlib.pyplot as plt  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPO, git_state, machine, relative, save_result, train_from  # noqa: E402
+from common import (  # noqa: E402
+    REPO,
+    accuracy,
+    git_state,
+    machine,
+    relative,
+    save_result,
+    train_from,
+)
 
-from relayrl.config import ModelConfig, load_config  # noqa: E402
+from relayrl.config import Config, ModelConfig, load_config  # noqa: E402
 from relayrl.engines.native import sample_chunk  # noqa: E402
+from relayrl.executors.generator import Generator  # noqa: E402
+from relayrl.executors.rewarder import Rewarder  # noqa: E402
 from relayrl.models.lm import build_policy, load_tokenizer  # noqa: E402
 from relayrl.weight_sync import TRANSPORTS  # noqa: E402
 from relayrl.weight_sync.int8 import to_int8  # noqa: E402
@@ -271,10 +281,21 @@ def train_runs(args: argparse.Namespace) -> dict:
             finally:
                 ray.shutdown()
             runs[precision] = run | {
+                "final_accuracy_fp32": fp32_accuracy(cfg, Path(tmp) / precision / "checkpoint"),
                 "steps": cfg.steps,
                 "overrides": [relative(item) for item in overrides if "out_dir" not in item],
             }
     return runs
+
+
+def fp32_accuracy(cfg: Config, checkpoint: Path) -> float:
+    """Greedy held-out accuracy of a run's final (fp32-trained) checkpoint served in fp32: the
+    policy the trainer learned, apart from the int8 generator's rounding."""
+    served = load_config(
+        None, [f"model.path={checkpoint}", "warm_start.max_steps=0", "generator.precision=fp32"]
+    )
+    served = served.model_copy(update={"task": cfg.task})
+    return accuracy(Generator(served), Rewarder(served), "heldout")
 
 
 def plot(result: dict, path: Path) -> Path:
@@ -328,13 +349,17 @@ def markdown_table(result: dict) -> str:
     if result["training"]:
         if lines:
             lines.append("")
-        lines += ["| generator.precision | steps | held-out start | end | mean pi/mu |"]
-        lines.append("|---|---|---|---|---|")
+        lines += [
+            "| generator.precision | steps | held-out start | end | end, checkpoint in fp32 "
+            "| mean pi/mu |"
+        ]
+        lines.append("|---|---|---|---|---|---|")
         for precision, run in result["training"].items():
             ratio = run["ratio_mean"]
             lines.append(
                 f"| {precision} | {run['steps']} | {run['start_accuracy']:.3f} "
-                f"| {run['final_accuracy']:.3f} | {'-' if ratio is None else f'{ratio:.4f}'} |"
+                f"| {run['final_accuracy']:.3f} | {run['final_accuracy_fp32']:.3f} "
+                f"| {'-' if ratio is None else f'{ratio:.4f}'} |"
             )
     m = result["machine"]
     lines += [
