@@ -373,7 +373,8 @@ def markdown_table(result: dict) -> str:
 def _throughput_rows(result: dict, systems: list[str]) -> list[str]:
     """The throughput table: tokens/s, ratios to native-fp32 and the int8 log-prob gap."""
     ratios = [s for s in systems if s != "native-fp32" and "native-fp32" in systems]
-    head = ["batch", *systems, *(f"{s} / native-fp32" for s in ratios), "int8 |mu - log pi|"]
+    gap = "int8 \\|mu - log pi\\|"  # pipes escaped for Markdown
+    head = ["batch", *systems, *(f"{s} / native-fp32" for s in ratios), gap]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for batch in map(str, result["settings"]["batches"]):
         speed = {s: result["throughput"][s][batch]["tokens_per_s"] for s in systems}
