@@ -201,14 +201,16 @@ async def run_async(
                 started["batches"] += 1
                 published.notify_all()  # min_lag: the batch this start releases may train
             idle[name].wait("staleness gate", start, time.time())
+            generator = w.generators[i]
             try:
                 async with recovery.lock:  # pull: the newest weights, before this generate
                     updated = sync.refresh(name)
-                meta_ref, batch_ref = w.generators[i].generate.options(num_returns=2).remote()
+                meta_ref, batch_ref = generator.generate.options(num_returns=2).remote()
                 meta, *_ = await asyncio.gather(meta_ref, *updated)
             except DEATHS as err:  # its batch in progress and its partial rollouts die with it
                 started["batches"] -= 1
-                await recovery.replace(w.generators, i, err, unfinished=pending + batch)
+                left = pending + batch
+                await recovery.replace(w.generators, i, err, unfinished=left, dead=generator)
                 pending = 0
                 continue
             pending = meta.pending
@@ -224,16 +226,18 @@ async def run_async(
         while True:
             samples, batch_ref = await generated.get(idle[name])
             held[name] = samples
+            used = [(group, i % len(group), group[i % len(group)]) for group in w.scorers()]
             summary_refs, scored_ref = _score_chain(w.scorers(), i, (batch_ref,))
             try:
                 score = await _scored(summary_refs)
             except DEATHS as err:  # the batch being scored dies with the stage that held it
                 held[name] = 0
-                dead = await _dead_stages(w, i)
+                dead = [(g, j, actor) for g, j, actor in used if not await alive(actor)]
                 if not dead:
                     raise
-                for k, (group, j) in enumerate(dead):
-                    await recovery.replace(group, j, err, lost=samples if k == 0 else 0)
+                for k, (group, j, actor) in enumerate(dead):
+                    lost = samples if k == 0 else 0
+                    await recovery.replace(group, j, err, lost=lost, dead=actor)
                 # It never reaches the trainer: the gate lets another batch start in its place
                 # (without this, max_staleness + 1 lost batches would close it for good).
                 async with published:

@@ -38,6 +38,7 @@ class Recovery:
         self.sync = sync
         self.tally = tally
         self.lock = asyncio.Lock()
+        self.deaths: dict[str, dict] = {}  # the failure record of each dead actor, by actor id
 
     async def replace(
         self,
@@ -47,14 +48,25 @@ class Recovery:
         *,
         lost: int = 0,
         unfinished: int | None = 0,
+        dead: Any = None,
     ) -> Any:
-        """Record the death of ``group[index]`` (``lost``: samples counted as generated that died
-        with it; ``unfinished``: work in progress it held, never counted, None if unknown), put
-        a new actor in its place, reconnect weight sync; returns the new actor."""
+        """Record the death of ``dead`` (default: ``group[index]``; ``lost``: samples counted as
+        generated that died with it; ``unfinished``: work in progress it held, never counted,
+        None if unknown), put a new actor in its place, reconnect weight sync; returns the
+        actor now in its place.
+
+        Several loops may see one death (a scoring loop and an evaluation, say): it is recorded
+        once, what each lost is added to that record, and it is replaced once. A replacement
+        under way finishes even when the loop that started it is cancelled, so no later call
+        finds the dead actor still in place.
+        """
+        dead = group.actors[index] if dead is None else dead
         name = group.names[index]
-        reason = first_line(err)
-        self.tally.on_failure(
-            {
+        key = dead._actor_id.hex()
+        record = self.deaths.get(key)
+        if record is None:
+            reason = first_line(err)
+            record = {
                 "role": group.role,
                 "name": name,
                 "time": time.time(),
@@ -63,17 +75,34 @@ class Recovery:
                 "lost": lost,
                 "unfinished": unfinished,
             }
-        )
-        say(f"{name} died ({reason}); replacing it")
+            self.deaths[key] = record
+            self.tally.on_failure(record)
+            say(f"{name} died ({reason}); replacing it")
+        else:  # another loop's view of a death already recorded: what it lost joins the record
+            record["lost"] += lost
+            self.tally.lost += lost
+            held = record["unfinished"]
+            record["unfinished"] = None if None in (held, unfinished) else held + unfinished
         async with self.lock:
-            incarnation = sum(f["name"] == name for f in self.tally.failures)
-            group.actors[index] = await asyncio.to_thread(
-                self.workload.recreate, group.role, index, incarnation
-            )
-            if name in self.sync.receivers:
-                await self.sync.reconnect(self.workload.receivers())
-        say(f"{name} replaced")
+            if group.actors[index] is dead:
+                swap = asyncio.ensure_future(self._swap(group, index))
+                try:
+                    await asyncio.shield(swap)
+                except asyncio.CancelledError:
+                    await swap
+                    raise
+                say(f"{name} replaced")
         return group.actors[index]
+
+    async def _swap(self, group: Group, index: int) -> None:
+        """A new actor in place of ``group[index]``, and weight sync reconnected to it."""
+        name = group.names[index]
+        incarnation = sum(f["name"] == name for f in self.tally.failures)
+        group.actors[index] = await asyncio.to_thread(
+            self.workload.recreate, group.role, index, incarnation
+        )
+        if name in self.sync.receivers:
+            await self.sync.reconnect(self.workload.receivers())
 
 
 def dead_executor(err: BaseException, groups: list[Group]) -> str | None:

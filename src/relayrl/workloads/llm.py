@@ -209,9 +209,9 @@ class LLMWorkload:
             except DEATHS as err:  # replace the dead one (it serves the newest weights), again
                 if self.recovery is None:
                     raise
-                for group in (self.generators, self.rewarders):
-                    if not await alive(group[0]):
-                        await self.recovery.replace(group, 0, err)
+                for group, actor in ((self.generators, generator), (self.rewarders, rewarder)):
+                    if not await alive(actor):
+                        await self.recovery.replace(group, 0, err, dead=actor)
         version = (await generator.stats.remote())["version"]
         return {
             "accuracy": score["reward_mean"],

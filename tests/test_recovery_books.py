@@ -1,0 +1,104 @@
+"""``Recovery.replace`` in isolation (fake actors, no Ray): one death seen by several loops is
+recorded and replaced once, and a replacement outlives the cancelled loop that started it."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+from relayrl.launch import Group
+from relayrl.observability.metrics import RunTally
+from relayrl.recovery import Recovery
+
+
+class FakeId:
+    """What an actor handle's ``_actor_id`` offers: ``hex()``."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def hex(self) -> str:
+        return f"{self.n:04x}"
+
+
+class FakeActor:
+    """An actor handle with an id."""
+
+    def __init__(self, n: int):
+        self._actor_id = FakeId(n)
+
+
+class FakeSync:
+    """Weight sync with no receivers."""
+
+    receivers: dict = {}
+
+
+class FakeWorkload:
+    """Makes a new actor per ``recreate``, slowly (``delay_s``), and counts them."""
+
+    def __init__(self, delay_s: float = 0.0):
+        self.delay_s = delay_s
+        self.made: list[FakeActor] = []
+        self.lock = threading.Lock()
+
+    def recreate(self, role: str, index: int, incarnation: int) -> FakeActor:
+        time.sleep(self.delay_s)
+        with self.lock:
+            self.made.append(FakeActor(100 + len(self.made)))
+            return self.made[-1]
+
+
+def _setup(delay_s: float = 0.0) -> tuple[Recovery, Group, FakeWorkload, RunTally]:
+    tally = RunTally(steps=1, progress=False)
+    workload = FakeWorkload(delay_s)
+    group = Group("rewarder", [FakeActor(1)])
+    return Recovery(workload, FakeSync(), tally), group, workload, tally
+
+
+def test_one_death_seen_by_two_loops_is_recorded_once_with_both_losses():
+    recovery, group, workload, tally = _setup(delay_s=0.05)
+    dead = group[0]
+    err = RuntimeError("gone")
+
+    async def both() -> list:
+        return await asyncio.gather(
+            recovery.replace(group, 0, err, lost=16, dead=dead),
+            recovery.replace(group, 0, err, lost=8, unfinished=3, dead=dead),
+        )
+
+    new = asyncio.run(both())
+    assert len(workload.made) == 1 and new == [workload.made[0]] * 2
+    assert group[0] is workload.made[0]
+    assert [f["name"] for f in tally.failures] == ["rewarder"]
+    assert tally.failures[0]["lost"] == 24 and tally.lost == 24
+    assert tally.failures[0]["unfinished"] == 3
+
+    # A later loop reports the same old death once its replacement is in place: the books gain
+    # what it lost, and the new actor is left alone.
+    asyncio.run(recovery.replace(group, 0, err, lost=4, unfinished=None, dead=dead))
+    assert len(workload.made) == 1 and tally.lost == 28
+    assert tally.failures[0]["unfinished"] is None  # one part unknown: the whole is unknown
+
+    # A second death (of the replacement) is a second record and a second actor.
+    asyncio.run(recovery.replace(group, 0, err))
+    assert len(workload.made) == 2 and len(tally.failures) == 2
+
+
+def test_a_replacement_finishes_when_its_loop_is_cancelled():
+    recovery, group, workload, tally = _setup(delay_s=0.2)
+    dead = group[0]
+
+    async def cancelled() -> None:
+        task = asyncio.ensure_future(recovery.replace(group, 0, RuntimeError("gone")))
+        await asyncio.sleep(0.05)  # inside the recreate
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        assert task.cancelled()
+
+    asyncio.run(cancelled())
+    assert group[0] is not dead and group[0] is workload.made[0]
+    # The next loop (a final evaluation, say) that saw the death finds it handled.
+    asyncio.run(recovery.replace(group, 0, RuntimeError("gone"), dead=dead))
+    assert len(workload.made) == 1 and len(tally.failures) == 1
