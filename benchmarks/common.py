@@ -138,6 +138,7 @@ def train_from(cfg: Config, run_dir: Path) -> dict:
         "ratio_mean": summary["staleness"]["ratio_mean"],
         "staleness_mean": summary["staleness"]["mean"],
         "wall_clock_s": summary["wall_clock_s"],
+        "warm_start_steps": summary.get("warm_start", {}).get("warm_start/steps"),
     }
 
 
