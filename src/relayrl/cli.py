@@ -100,16 +100,24 @@ def main(argv: list[str] | None = None) -> int:
     report.add_argument("run_dir", help="a run directory written by relayrl train")
     evaluate = commands.add_parser(
         "eval",
-        help="score a checkpoint on math500, gsm8k or a JSONL/Parquet file",
-        description="Generate with the generator executor and score with the sandboxed math "
-        "scorer; print pass@1, mean@k and pass@k, a per-subject and per-level breakdown where "
-        "the data has one, and timing; write every sample to a JSONL file.",
+        help="score an LLM checkpoint on math data, or play an embodied run's policy",
+        description="LLM: generate with the generator executor and score with the sandboxed "
+        "math scorer; print pass@1, mean@k and pass@k, a per-subject and per-level breakdown "
+        "where the data has one, and timing; write every sample to a JSONL file. Embodied run "
+        "directory: play its checkpoint's policy in the run's env, per task, under LIBERO's "
+        "protocol (fixed init states, wait steps, the suite's step cap) or fixed seeds; print "
+        "success per task and write the report as JSON.",
     )
-    evaluate.add_argument("path", help="a run directory or a Hugging Face checkpoint directory")
+    evaluate.add_argument(
+        "path",
+        help="a run directory (LLM or embodied), its checkpoint folder, or a Hugging Face "
+        "checkpoint directory",
+    )
     evaluate.add_argument(
         "--data",
-        required=True,
-        help="math500, gsm8k, or a .jsonl/.parquet file with 'prompt' and 'answer' fields",
+        default=None,
+        help="LLM (required): math500, gsm8k, or a .jsonl/.parquet file with 'prompt' and "
+        "'answer' fields",
     )
     evaluate.add_argument("--k", type=int, default=1, help="samples per problem (1: greedy)")
     evaluate.add_argument("--max-new-tokens", type=int, default=256, help="completion length cap")
@@ -121,7 +129,43 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="wrap each prompt in the checkpoint tokenizer's chat template",
     )
-    evaluate.add_argument("--out", default=None, help="samples JSONL (default next to the model)")
+    evaluate.add_argument(
+        "--out",
+        default=None,
+        help="LLM: samples JSONL (default next to the model); embodied: the report JSON "
+        "(default RUN_DIR/eval-PROTOCOL.json)",
+    )
+    evaluate.add_argument(
+        "--protocol",
+        choices=["libero", "seeded"],
+        default=None,
+        help="embodied: libero (episode i from the task's init state i, wait steps, the suite's "
+        "step cap; the default for LIBERO runs) or seeded (episode i from seed i; otherwise)",
+    )
+    evaluate.add_argument(
+        "--episodes",
+        type=int,
+        default=None,
+        help="embodied: episodes per task (default 50 under libero, else env.eval_episodes)",
+    )
+    evaluate.add_argument(
+        "--tasks",
+        nargs="+",
+        default=None,
+        help="embodied: tasks (default env.eval_tasks, else env.tasks)",
+    )
+    actions = evaluate.add_mutually_exclusive_group()
+    actions.add_argument(
+        "--greedy",
+        dest="greedy",
+        action="store_const",
+        const=True,
+        help="embodied: the most likely action (default: as env.eval_greedy)",
+    )
+    actions.add_argument(
+        "--sample", dest="greedy", action="store_const", const=False, help="embodied: sampled"
+    )
+    evaluate.add_argument("--seed", type=int, default=0, help="embodied: seed of the episodes")
     _add_wm_commands(commands)
     # parse_args would reject overrides placed after an option (`--ray-address auto steps=5`):
     # argparse fills the nargs="*" positional once, so later ones come back as leftovers.
@@ -269,6 +313,18 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 def _eval(args: argparse.Namespace) -> int:
+    from relayrl.evaluate_embodied import embodied_run
+
+    found = embodied_run(Path(args.path))
+    if found is not None:
+        return _eval_embodied(args, *found)
+    if args.data is None:
+        print(
+            f"relayrl: --data is required: '{args.path}' is no embodied run, so it is scored on "
+            "math data (math500, gsm8k or a .jsonl/.parquet file)",
+            file=sys.stderr,
+        )
+        return 2
     if args.k < 1 or args.max_new_tokens < 1 or args.temperature <= 0:
         print("relayrl: --k and --max-new-tokens must be >= 1, --temperature > 0", file=sys.stderr)
         return 2
@@ -290,6 +346,29 @@ def _eval(args: argparse.Namespace) -> int:
         print(f"relayrl: {err}", file=sys.stderr)
         return 2
     print(format_report(report))
+    return 0
+
+
+def _eval_embodied(args: argparse.Namespace, cfg: Any, checkpoint: Path) -> int:
+    from relayrl.evaluate_embodied import evaluate_embodied, format_report, write_report
+
+    try:
+        report = evaluate_embodied(
+            cfg,
+            checkpoint,
+            protocol=args.protocol,
+            episodes=args.episodes,
+            tasks=args.tasks,
+            greedy=args.greedy,
+            seed=args.seed,
+            progress=cfg.log.progress and sys.stderr.isatty(),
+        )
+    except (FileNotFoundError, ValueError, ImportError) as err:
+        print(f"relayrl: {err}", file=sys.stderr)
+        return 2
+    out = Path(args.out) if args.out else checkpoint.parent / f"eval-{report['protocol']}.json"
+    print(format_report(report))
+    print(f"wrote {write_report(report, out)}")
     return 0
 
 

@@ -442,11 +442,19 @@ class BlindEnv:
         self.action_space = env.action_space
         self.tasks = env.tasks
 
-    def reset(self, *, task: str | None = None, seed: int | None = None) -> Observation:
-        """Start an episode of the wrapped env."""
+    def reset(
+        self, *, task: str | None = None, seed: int | None = None, **options: Any
+    ) -> Observation:
+        """Start an episode of the wrapped env (``options``: what its ``reset`` also takes)."""
         return dataclasses.replace(
-            self.env.reset(task=task, seed=seed), instruction=BLIND_INSTRUCTION
+            self.env.reset(task=task, seed=seed, **options), instruction=BLIND_INSTRUCTION
         )
+
+    def __getattr__(self, name: str) -> Any:
+        """What else the wrapped env offers (its step cap, its init states)."""
+        if name.startswith("__") or name == "env":  # unpickling asks before env is set
+            raise AttributeError(name)
+        return getattr(self.env, name)
 
     def step(self, action: np.ndarray | int) -> StepResult:
         """Step the wrapped env."""

@@ -53,6 +53,17 @@ def test_same_seed_same_init_state(spatial, monkeypatch):
     assert not np.array_equal(spatial.reset(seed=4).image, first)
 
 
+def test_init_state_i_is_the_benchmark_state_i(spatial, monkeypatch):
+    # The seed still places the fixtures (init states do not cover them), so both are fixed.
+    monkeypatch.setattr(spatial, "settle_steps", 0)
+    assert spatial.init_states(spatial.tasks[0]) == 50
+    first = spatial.reset(seed=3, init_state=7).image
+    assert np.array_equal(spatial.reset(seed=3, init_state=7).image, first)
+    assert not np.array_equal(spatial.reset(seed=3, init_state=8).image, first)
+    with pytest.raises(ValueError, match=r"init_state must be in \[0, 50\)"):
+        spatial.reset(init_state=50)
+
+
 def test_truncation_at_max_steps(spatial, monkeypatch):
     monkeypatch.setattr(spatial, "max_steps", 2)
     spatial.reset()

@@ -103,9 +103,13 @@ class LiberoEnv:
         self._task = self.tasks[0]
         self._steps = 0
 
-    def reset(self, *, task: str | None = None, seed: int | None = None) -> Observation:
-        """Start an episode of ``task`` (a member of ``tasks``; None picks the first) from an init
-        state drawn from the env's random stream (reseeded by ``seed``)."""
+    def reset(
+        self, *, task: str | None = None, seed: int | None = None, init_state: int | None = None
+    ) -> Observation:
+        """Start an episode of ``task`` (a member of ``tasks``; None picks the first) from init
+        state number ``init_state`` of the task's benchmark set (LIBERO's evaluation protocol:
+        episode i from state i), or from one drawn from the env's random stream (reseeded by
+        ``seed``)."""
         task = self.tasks[0] if task is None else task
         if task not in self.tasks:
             raise ValueError(f"task {task!r} is not one of the {self.suite} tasks {self.tasks}")
@@ -114,8 +118,13 @@ class LiberoEnv:
         if task not in self._sims:
             self._sims[task] = self._make_sim(task)
         sim, states = self._sims[task], self._init_states[task]
+        if init_state is not None and not 0 <= init_state < len(states):
+            raise ValueError(
+                f"init_state must be in [0, {len(states)}) for task {task!r}, got {init_state}"
+            )
         self._task, self._steps = task, 0
-        init_state = states[self._rng.integers(len(states))]
+        pick = self._rng.integers(len(states))  # drawn either way: the stream stays in step
+        init_state = states[pick if init_state is None else init_state]
         self._make_current()
         # LIBERO places fixtures (which init states do not cover) with NumPy's global generator;
         # seeding it from our stream, and restoring it after, makes episodes reproducible without
@@ -151,6 +160,10 @@ class LiberoEnv:
             truncated=not success and self._steps >= self.max_steps,
             success=success,
         )
+
+    def init_states(self, task: str) -> int:
+        """How many benchmark init states ``task`` has (LIBERO ships 50 per task)."""
+        return len(self._suite.get_task_init_states(self.tasks.index(task)))
 
     def close(self) -> None:
         """Release the simulators and their GL contexts."""
