@@ -10,7 +10,7 @@ import pytest
 from relayrl.config import Config, load_config
 from relayrl.types import RolloutBatch
 
-QUIET = ["log.progress=false", "log.tensorboard=false"]
+QUIET = ["log.progress=false", "log.tensorboard=false", "log.report=false"]
 TINY = [
     "model.hidden_size=32",
     "model.num_layers=1",

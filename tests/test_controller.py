@@ -36,7 +36,9 @@ def _run(tmp_path, *overrides):
 
 def test_async_run_changes_parameters_and_records_bounded_lags(ray_session, tmp_path):
     before = shm_files()
-    cfg, summary = _run(tmp_path, "mode=async", "max_staleness=1", "log.eval_every=3")
+    cfg, summary = _run(
+        tmp_path, "mode=async", "max_staleness=1", "log.eval_every=3", "log.report=true"
+    )
     assert shm_files() <= before, "the run left its shm weight-sync files behind"
     assert summary["steps"] == 6 and summary["skipped_nonfinite"] == 0
     assert summary["eval"]["end"]["version"] == summary["updates"] >= 1
@@ -70,7 +72,7 @@ def test_async_run_changes_parameters_and_records_bounded_lags(ray_session, tmp_
     assert max(grad_norms) > 0
     assert (tmp_path / "run" / "learning_curve.png").stat().st_size > 0
     _check_trace_agrees_with_summary(tmp_path / "run", summary)
-    assert (tmp_path / "run" / "report.md").is_file()
+    assert (tmp_path / "run" / "report.md").is_file() and summary["artifacts"]["report"]
 
 
 def _check_trace_agrees_with_summary(run_dir, summary):

@@ -813,6 +813,11 @@ class LogConfig(_Section):
     )
     ess_warn_steps: int = Field(5, ge=1, description="See ess_warn_below.")
     progress: bool = Field(True, description="Show a progress bar.")
+    report: bool = Field(
+        True,
+        description="Write report.md and its plots when the run ends (about a second); "
+        "`relayrl report RUN_DIR` builds them later either way.",
+    )
     every: int = Field(10, ge=1, description="Log metrics every N RL steps.")
     eval_every: int = Field(
         0, ge=0, description="Evaluate held-out every N RL steps (0: only at the start and end)."

@@ -127,8 +127,9 @@ def train(
         window = (clock["rl_start"], time.time())
         with contextlib.suppress(Exception):  # best effort: the executors may be gone
             save_trace(run_dir, collect_spans(workload.traced(), tally.idle), started, window, 0)
-        with contextlib.suppress(Exception):
-            write_report(run_dir)
+        if cfg.log.report:
+            with contextlib.suppress(Exception):
+                write_report(run_dir)
         raise
     finally:
         log.close()
@@ -169,13 +170,14 @@ def train(
             "learning_curve": str(plot),
             "trace": str(trace),
             "timeline": str(timeline),
-            "report": str(run_dir / "report.md"),
+            "report": str(run_dir / "report.md") if cfg.log.report else None,
             "config": str(run_dir / "config.yaml"),
         },
         "machine": {"platform": platform.platform(), "python": platform.python_version()},
     }
     _write_summary(run_dir, summary)
-    write_report(run_dir)
+    if cfg.log.report:
+        write_report(run_dir)
     return summary
 
 
