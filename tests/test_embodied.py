@@ -118,7 +118,8 @@ def test_lockstep_run_with_in_place_dist_sync_serves_every_version(ray_session, 
     assert summary["eval"]["end"]["version"] == 3  # the service evaluated the last version
 
 
-@pytest.mark.parametrize(("transport", "envs"), [("ray", 1), ("socket", 1), ("socket", 2)])
+# The socket with one env per worker is the default every other async embodied test runs.
+@pytest.mark.parametrize(("transport", "envs"), [("ray", 1), ("socket", 2)])
 def test_async_run_bounds_the_lag_keeps_the_books_and_contains_env_crashes(
     ray_session, tmp_path, transport, envs
 ):

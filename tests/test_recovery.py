@@ -66,7 +66,8 @@ def _kill_at(monkeypatch, kills: list[tuple[int, str, int, str]]) -> list:
     return todo
 
 
-@pytest.mark.parametrize(("mode", "lag"), [("async", 0), ("sync", 0), ("async", 2), ("sync", 2)])
+# async unforced: two lost batches exceed max_staleness; sync forced: older batches train meanwhile.
+@pytest.mark.parametrize(("mode", "lag"), [("async", 0), ("sync", 2)])
 def test_killed_generators_and_rewarders_are_replaced_and_the_books_balance(
     ray_session, tmp_path, monkeypatch, mode, lag
 ):
