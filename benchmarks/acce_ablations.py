@@ -28,24 +28,37 @@ default the policy is babyai.yaml's with ``d_model`` 128 and an instruction-embe
 The gain grows with the transfer's length against a forward pass's; on a CPU machine it is also
 bounded by the CPU the transfer takes from the forward passes it overlaps.
 
+``g1``: value recomputation under lag. ``configs/babyai.yaml`` with ``--preset acce`` at
+``max_staleness`` 4, trained with ``trainer.value_recompute=fused`` (GAE from the training
+forward's own values, AcceRL's) and ``=off`` (the values the inference service computed when it
+acted, up to 4 versions old; the bootstrap value still from the current critic), one run per arm
+and seed, the arms taking turns. Per run: held-out success (``env.eval_tasks``) every
+``--eval-every`` steps against trained env steps, the final success, the training episodes'
+success, the mean lag and wall clock.
+
 Run from the repository root::
 
+    python benchmarks/acce_ablations.py g1                        # 150 steps per arm, seed 0
+    python benchmarks/acce_ablations.py g1 --steps 40 --seeds 0 1 # a quicker look, two seeds
     python benchmarks/acce_ablations.py g3                        # 6 swaps per arm, dist
     python benchmarks/acce_ablations.py g3 --swaps 2 --period 1   # a quick look
     python benchmarks/acce_ablations.py g3 --transport object_store vla.d_model=256
 
-It writes ``benchmarks/results/acce_ablations_g3.json`` and ``.png`` (with the command line, the
-machine and the git state) and prints a Markdown table for ``docs/benchmarks.md``.
+It writes ``benchmarks/results/acce_ablations_<ablation>.json`` and ``.png`` (with the command
+line, the machine and the git state) and prints a Markdown table for ``docs/benchmarks.md``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
+import json
 import os
 import shlex
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -66,12 +79,14 @@ from relayrl.config import Config, load_config  # noqa: E402
 from relayrl.envs.embodied import Observation  # noqa: E402
 from relayrl.envs.latency import DELAYS  # noqa: E402
 from relayrl.executors.inference_service import InferenceService  # noqa: E402
+from relayrl.job import train  # noqa: E402
 from relayrl.launch import start_ray, vla_config  # noqa: E402
 from relayrl.models.vla import VLAConfig, VLAPolicy  # noqa: E402
 from relayrl.weight_sync import TRANSPORTS, Ticket  # noqa: E402
 from relayrl.weight_sync.base import TrainerSide  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
+ACCE = REPO / "configs" / "presets" / "acce.yaml"
 ARMS = {"early drain": True, "lock": False}  # arm -> inference.early_drain
 WORKER_NICENESS = "RAY_worker_niceness"
 SERVICE = "inference_service"
@@ -125,6 +140,126 @@ class TrainerStandIn:
     def close(self) -> None:
         """Close the publisher."""
         self.side.close()
+
+
+def g1(args: argparse.Namespace) -> tuple[dict, list]:
+    """Value recomputation on (fused) and off under lag: one training run per arm and seed."""
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="relayrl-g1-") as tmp:
+        for seed in args.seeds:
+            for arm in args.arms:
+                overrides = [
+                    *args.overrides,
+                    f"steps={args.steps}",
+                    f"max_staleness={args.staleness}",
+                    f"trainer.value_recompute={arm}",
+                    f"run.seed={seed}",
+                    f"env.eval_episodes={args.eval_episodes}",
+                    f"log.eval_every={args.eval_every}",
+                    "log.progress=false",
+                    "log.tensorboard=false",
+                    f"run.out_dir={tmp}",
+                ]
+                cfg = load_config(args.config, overrides, presets=[ACCE])
+                print(f"[g1] value_recompute={arm}, seed {seed}", file=sys.stderr, flush=True)
+                with contextlib.redirect_stdout(sys.stderr):
+                    summary = train(cfg, Path(tmp) / f"{arm}-{seed}")
+                runs.append(_g1_run(arm, seed, summary))
+    arms = {}
+    for arm in args.arms:
+        mine = [r for r in runs if r["arm"] == arm]
+        arms[arm] = {
+            "final_success_mean": float(np.mean([r["final_success"] for r in mine])),
+            "final_success_per_seed": [r["final_success"] for r in mine],
+        }
+    settings = {
+        "config": relative(str(args.config)),
+        "preset": relative(str(ACCE)),
+        "steps": args.steps,
+        "max_staleness": args.staleness,
+        "seeds": args.seeds,
+        "eval_every": args.eval_every,
+        "eval_episodes": args.eval_episodes,
+        "overrides": args.overrides,
+    }
+    return {"settings": settings, "arms": arms, "runs": runs}, runs
+
+
+def _g1_run(arm: str, seed: int, summary: dict) -> dict:
+    """What G.1 keeps of one run: the held-out curve against trained env steps and the rest."""
+    lines = Path(summary["artifacts"]["metrics"]).read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    trained = {
+        r["step"]: r["samples/trained_total"] for r in records if "samples/trained_total" in r
+    }
+    trained[0] = 0.0
+    curve = [
+        (trained.get(r["step"], 0.0), r["eval/success_rate"])
+        for r in records
+        if "eval/success_rate" in r
+    ]
+    end = summary["eval"]["end"]["success_rate"]
+    curve.append((float(summary["samples"]["trained"]), end))
+    rollout = [r["rollout/success_rate"] for r in records if "rollout/success_rate" in r]
+    return {
+        "arm": arm,
+        "seed": seed,
+        "final_success": end,
+        "curve": curve,
+        "rollout_success_last10": float(np.mean(rollout[-10:])) if rollout else None,
+        "staleness_mean": summary["staleness"]["mean"],
+        "trained_env_steps": summary["samples"]["trained"],
+        "accounted": summary["samples"]["accounted"],
+        "rl_wall_clock_s": summary["perf"]["rl_wall_clock_s"],
+    }
+
+
+def g1_plot(result: dict, raw: list, path: Path) -> Path:
+    """Held-out success against trained env steps, one line per run."""
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    colours = {arm: f"C{i}" for i, arm in enumerate(result["arms"])}
+    for run in result["runs"]:
+        steps, success = zip(*run["curve"], strict=True)
+        ax.plot(
+            np.asarray(steps) / 1000,
+            success,
+            marker="o",
+            color=colours[run["arm"]],
+            alpha=0.9 if run["seed"] == result["settings"]["seeds"][0] else 0.5,
+            label=f"value_recompute={run['arm']}, seed {run['seed']}",
+        )
+    s = result["settings"]
+    ax.set_xlabel("trained env steps (thousands)")
+    ax.set_ylabel(f"held-out success ({s['eval_episodes']} episodes)")
+    ax.set_title(f"G.1: --preset acce, max_staleness {s['max_staleness']}", fontsize=9)
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def g1_table(result: dict) -> str:
+    """One row per run, then the mean final success per arm."""
+    lines = [
+        "| value_recompute | seed | final held-out success | training success (last 10 steps) "
+        "| mean lag | trained env steps | RL wall clock (s) | books balance |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in result["runs"]:
+        rollout = r["rollout_success_last10"]
+        lines.append(
+            f"| {r['arm']} | {r['seed']} | {r['final_success']:.3f} "
+            f"| {'-' if rollout is None else f'{rollout:.3f}'} | {r['staleness_mean']:.2f} "
+            f"| {r['trained_env_steps']} | {r['rl_wall_clock_s']:.0f} | {r['accounted']} |"
+        )
+    lines.append("")
+    for arm, row in result["arms"].items():
+        lines.append(f"- {arm}: mean final success {row['final_success_mean']:.3f}")
+    lines += ["", f"Command: `{result['command']}`."]
+    return "\n".join(lines)
 
 
 def g3(args: argparse.Namespace) -> tuple[dict, list]:
@@ -391,6 +526,7 @@ def g3_table(result: dict) -> str:
 
 # name -> (run: args -> (result, raw data), plot: (result, raw data, path) -> path, table)
 ABLATIONS: dict[str, tuple[Callable, Callable, Callable[[dict], str]]] = {
+    "g1": (g1, g1_plot, g1_table),
     "g3": (g3, g3_plot, g3_table),
 }
 
@@ -425,6 +561,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="folder for the JSON and PNG (benchmarks/results)",
     )
     sub = parser.add_subparsers(dest="ablation", required=True)
+    g1_args = sub.add_parser("g1", help="trainer.value_recompute fused against off, under lag")
+    g1_args.add_argument(
+        "--config", type=Path, default=REPO / "configs" / "babyai.yaml", help="configs/babyai.yaml"
+    )
+    g1_args.add_argument("--steps", type=int, default=150, help="train steps per run (150)")
+    g1_args.add_argument("--staleness", type=int, default=4, help="max_staleness (4)")
+    g1_args.add_argument("--seeds", type=int, nargs="+", default=[0], help="run.seed values (0)")
+    g1_args.add_argument(
+        "--arms", nargs="+", choices=["fused", "pass", "off"], default=["fused", "off"]
+    )
+    g1_args.add_argument("--eval-every", type=int, default=25, help="steps between evals (25)")
+    g1_args.add_argument("--eval-episodes", type=int, default=32, help="episodes per eval (32)")
+    g1_args.add_argument("overrides", nargs="*", default=[], help="a.b=value config overrides")
     g = sub.add_parser("g3", help="inference.early_drain: latency while weights swap")
     g.add_argument(
         "--config", type=Path, default=REPO / "configs" / "babyai.yaml", help="configs/babyai.yaml"
@@ -454,6 +603,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="a.b=value config overrides (vla.d_model=128)",
     )
     args = parser.parse_args(argv)
+    if args.ablation == "g1":
+        if min(args.steps, args.staleness, args.eval_every, args.eval_episodes) < 1:
+            parser.error("--steps, --staleness, --eval-every and --eval-episodes must be >= 1")
+        return args
     if args.swaps < 1 or args.callers < 1 or args.period <= 0 or min(args.hash_buckets) < 1:
         parser.error("--swaps, --callers, --hash-buckets must be >= 1 and --period > 0")
     return args
