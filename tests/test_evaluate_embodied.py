@@ -17,6 +17,8 @@ from relayrl.config import load_config, save_config
 from relayrl.evaluate_embodied import SEED_STRIDE, embodied_run, evaluate_embodied
 from relayrl.launch import build_env, vla_config
 from relayrl.models.vla import VLAPolicy
+from relayrl.wm.collect import play_episode
+from relayrl.wm.policies import CheckpointPolicy
 
 LEVEL = "BabyAI-GoToLocalS5N2-v0"
 BABYAI = [f"env.tasks=[{LEVEL}]", "env.eval_tasks=null", "env.max_steps=12"]
@@ -39,41 +41,22 @@ def make_run(run_dir: Path, overrides: list[str], seed: int = 0) -> Path:
     return run_dir
 
 
-def replay(cfg, ckpt: Path, seed: int) -> tuple[bool, int]:
-    """One greedy episode from ``reset(seed)``, played here step by step."""
-    from relayrl.wm.policies import load_vla_checkpoint
-
-    policy, env = load_vla_checkpoint(ckpt), build_env(cfg.env, 0)
-    obs, steps = env.reset(task=LEVEL, seed=seed), 0
-    while True:
-        with torch.no_grad():
-            tokens, _, _ = policy.act(
-                torch.from_numpy(obs.image[None]),
-                [obs.instruction],
-                torch.tensor([obs.step]),
-                greedy=True,
-            )
-        result = env.step(env.action_space.to_env(tokens[0].numpy()))
-        obs, steps = result.obs, steps + 1
-        if result.terminated or result.truncated:
-            env.close()
-            return result.success, steps
-
-
 def test_the_seeded_protocol_plays_episode_i_from_seed_i_and_counts_them(tmp_path):
     cfg, ckpt = embodied_run(make_run(tmp_path / "run", BABYAI))
-    report = evaluate_embodied(cfg, ckpt, episodes=3, greedy=True, seed=1, progress=False)
+    report = evaluate_embodied(cfg, ckpt, episodes=3, greedy=False, seed=1, progress=False)
     row = report["tasks"][LEVEL]
     assert report["protocol"] == "seeded" and report["episodes"] == 3
     assert row["seeds"] == [SEED_STRIDE + i for i in range(3)]
-    played = [replay(cfg, ckpt, s) for s in row["seeds"]]
-    assert row["successes"] == sum(ok for ok, _ in played)
-    assert row["mean_steps"] == pytest.approx(sum(n for _, n in played) / 3)
+    # The same episodes played here, by the same policy sampling from the same seeded stream.
+    actor, env = CheckpointPolicy(ckpt, seed=1), build_env(cfg.env, 0)
+    played = [play_episode(env, actor, task=LEVEL, seed=s) for s in row["seeds"]]
+    assert row["successes"] == sum(e.success for e in played)
+    assert row["mean_steps"] == pytest.approx(sum(len(e.actions) for e in played) / 3)
     assert report["success_rate"] == row["successes"] / 3
     # The same episodes every time; another --seed plays others.
-    again = evaluate_embodied(cfg, ckpt, episodes=3, greedy=True, seed=1, progress=False)
+    again = evaluate_embodied(cfg, ckpt, episodes=3, greedy=False, seed=1, progress=False)
     assert again["tasks"] == report["tasks"]
-    other = evaluate_embodied(cfg, ckpt, episodes=3, greedy=True, seed=2, progress=False)
+    other = evaluate_embodied(cfg, ckpt, episodes=3, greedy=False, seed=2, progress=False)
     assert other["tasks"][LEVEL]["seeds"] != row["seeds"]
 
 
