@@ -85,9 +85,9 @@ def relative(arg: str) -> str:
 def warm_start(cfg: Config, out: Path) -> dict:
     """The controller's warm start, run in-process; saves the checkpoint every system starts from.
 
-    Supervised slices of ``warm_start.check_every`` steps until greedy accuracy on the generator's
-    probe reaches ``warm_start.target_accuracy`` (as ``LLMWorkload._warm_start``, without Ray).
-    """
+    Supervised slices of ``warm_start.check_every`` steps until the trainer's greedy accuracy on
+    the probe reaches ``warm_start.target_accuracy`` (as ``LLMWorkload._warm_start``, without
+    Ray)."""
     start = time.perf_counter()
     trainer, generator, rewarder = Trainer(cfg), Generator(cfg), Rewarder(cfg)
     generator.open_sync([trainer.open_sync("shm", ["generator"])])
@@ -96,8 +96,7 @@ def warm_start(cfg: Config, out: Path) -> dict:
         trainer.warm_start(min(ws.check_every, ws.max_steps - steps))
         steps += min(ws.check_every, ws.max_steps - steps)
         if ws.target_accuracy > 0:
-            generator.update_weights(trainer.publish())
-            probe = accuracy(generator, rewarder, "probe")
+            probe = rewarder.score(trainer.probe())[0]["reward_mean"]
             if probe >= ws.target_accuracy:
                 break
     trainer.save_pretrained(str(out))

@@ -102,7 +102,17 @@ def test_sync_run_is_strictly_on_policy(ray_session, tmp_path):
 
 
 def test_an_int8_generator_run_reports_the_precision_gap_as_its_pi_mu_ratio(ray_session, tmp_path):
-    _, summary = _run(tmp_path, "mode=sync", "generator.precision=int8")
+    # An unreachable target: the warm start probes at steps 20 and 40, then stops at max_steps.
+    probing = ["warm_start.target_accuracy=1.0", "warm_start.check_every=20"]
+    _, summary = _run(tmp_path, "mode=sync", "generator.precision=int8", *probing)
+    assert summary["warm_start"]["warm_start/steps"] == 40
+    # The trainer's own fp32 policy answers the probe, not the int8 generator's copy.
+    trace = json.loads((tmp_path / "run" / "trace.json").read_text())
+    meta = [e for e in trace["traceEvents"] if e["name"] == "process_name"]
+    names = {e["pid"]: e["args"]["name"] for e in meta}
+    spans = [(names[e["pid"]], e["name"]) for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert spans.count(("trainer", "probe")) == 2
+    assert not [span for span in spans if span[1] == "evaluate:probe"]
     assert summary["staleness"]["hist"] == {"0": summary["samples"]["trained"]}
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
     means = [r["loss/ratio_mean"] for r in records if "loss/ratio_mean" in r]

@@ -151,7 +151,9 @@ class WarmStartConfig(_Section):
         le=1,
         description="Stop once greedy accuracy on a probe of training problems reaches this; "
         "RL needs some correct samples to reinforce, and the point where supervised training "
-        "gets there varies with the seed. 0 runs max_steps.",
+        "gets there varies with the seed. The trainer's own policy answers the probe (in "
+        "trainer.precision, whatever precision the generators serve), so the warm start does "
+        "not depend on generator.precision. 0 runs max_steps.",
     )
     check_every: int = Field(20, ge=1, description="Steps between two probe evaluations.")
     probe_size: int = Field(256, ge=1, description="Training problems in the probe.")

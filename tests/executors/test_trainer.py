@@ -338,3 +338,20 @@ def test_a_bf16_trainer_keeps_fp32_weights_and_takes_nearly_the_fp32_step():
         for t in (full, half)
     ]
     assert torch.nn.functional.cosine_similarity(*deltas, dim=0) > 0.9
+
+
+def test_the_probe_is_what_an_fp32_generator_answers_with_the_trainers_weights():
+    cfg = tiny_config("warm_start.probe_size=12", "warm_start.examples=16")
+    trainer, generator = Trainer(cfg), Generator(cfg)
+    trainer.warm_start(30)
+    generator.open_sync([trainer.open_sync("shm", ["generator"])])
+    try:
+        generator.update_weights(trainer.publish())
+        served, own = generator.evaluate("probe"), trainer.probe()
+    finally:
+        trainer.close_sync()
+    assert len(own) == 12 and own.completion_len.sum() > 0
+    np.testing.assert_array_equal(own.tokens, served.tokens)
+    np.testing.assert_array_equal(own.finished, served.finished)
+    assert own.answers == served.answers
+    assert trainer.model.training  # back to training after the probe

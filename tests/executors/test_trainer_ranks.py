@@ -133,6 +133,7 @@ def test_two_llm_ranks_warm_start_and_step_as_one_trainer(ray_session, tmp_path)
         "trainer.lr=0.01",
         "warm_start.batch_size=3",
         "warm_start.examples=16",
+        "warm_start.probe_size=6",
     )
     one = Trainer(cfg)
     batches = [rollouts([step] * 5, seed=step, zero_signal=1) for step in range(3)]
@@ -140,6 +141,12 @@ def test_two_llm_ranks_warm_start_and_step_as_one_trainer(ray_session, tmp_path)
         warm = on_all(ranks, "warm_start", 2)
         expected = one.warm_start(2)
         assert warm[0]["warm_start/loss"] == pytest.approx(expected["warm_start/loss"], rel=1e-5)
+        # The warm start's probe runs on every rank (its forwards are collective) and answers
+        # as one trainer does.
+        probes, probe = on_all(ranks, "probe"), one.probe()
+        assert len(probe) == 6
+        for batch in probes:
+            np.testing.assert_array_equal(batch.tokens, probe.tokens)
         for batch in batches:
             ref = ray.put(batch)  # every rank is given the whole batch
             results = on_all(ranks, "train_step", ref)

@@ -13,6 +13,7 @@ import copy
 import random
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -60,7 +61,7 @@ class Generator:
         if self.cfg.precision == "int8":
             to_int8(self.model)
         self.task = build_task(cfg.task)
-        self.probe = self.task.sample(cfg.warm_start.probe_size, random.Random(cfg.run.seed + 4))
+        self.probe = probe_problems(cfg)
         # Replicas draw different prompts and samples; replica 0 keeps the single-replica seeds.
         seed = cfg.run.seed + REPLICA_SEED_STRIDE * replica
         self.rng = random.Random(seed + 1)
@@ -106,7 +107,7 @@ class Generator:
             sample.versions += [self.version] * len(tokens[:room])
             sample.finished = finished and len(tokens) <= room
             self.tokens_generated += len(tokens[:room])
-            self._stop_at_string(sample)
+            _stop_at_string(self.codec, sample)
             if not sample.finished and len(sample.tokens) < self.cfg.max_new_tokens:
                 self.pending.append(sample)
         batch = self._collect_finished_groups()
@@ -153,26 +154,19 @@ class Generator:
         max_new_tokens: int,
         batch_size: int,
     ) -> RolloutBatch:
-        samples = [_Sample(i, prompt) for i, prompt in enumerate(prompts) for _ in range(k)]
-        for offset in range(0, len(samples), batch_size):
-            part = samples[offset : offset + batch_size]
-            chunk = sample_chunk(
-                self.model,
-                [s.prompt for s in part],
-                max_new_tokens,
-                stop_ids=self.codec.stop_ids,
-                pad_id=self.codec.pad_id,
-                temperature=self.cfg.temperature,
-                greedy=greedy,
-                generator=self.torch_rng,
-            )
-            for sample, tokens, logprobs, finished in zip(
-                part, chunk.tokens, chunk.logprobs, chunk.finished, strict=True
-            ):
-                sample.tokens, sample.logprobs, sample.finished = tokens, logprobs, finished
-                sample.versions = [self.version] * len(tokens)
-                self._stop_at_string(sample)
-        return _to_batch(samples, [a for a in answers for _ in range(k)], group_size=k)
+        return complete(
+            self.model,
+            self.codec,
+            prompts,
+            answers,
+            k=k,
+            greedy=greedy,
+            max_new_tokens=max_new_tokens,
+            temperature=self.cfg.temperature,
+            generator=self.torch_rng,
+            version=self.version,
+            batch_size=batch_size,
+        )
 
     def open_sync(self, addresses: list[dict], name: str = "generator") -> None:
         """Attach a weight-sync receiver to the publishers of every trainer rank; it holds the
@@ -243,15 +237,6 @@ class Generator:
         self.groups = copy.deepcopy(state["groups"])
         self.next_group = state["next_group"]
 
-    def _stop_at_string(self, sample: _Sample) -> None:
-        """End ``sample`` at the token that completes a stop string, if one occurs: the tokens
-        after it are dropped (they were generated, not trained on) and it counts as finished."""
-        keep = self.codec.stop_length(sample.tokens)
-        if keep is None:
-            return
-        del sample.tokens[keep:], sample.logprobs[keep:], sample.versions[keep:]
-        sample.finished = True
-
     def _start_groups(self, problems: list[Problem]) -> list[_Sample]:
         started = []
         for problem in problems:
@@ -273,6 +258,60 @@ class Generator:
         for g in done:
             del self.groups[g]
         return _to_batch(samples, answers, group_size=self.cfg.group_size)
+
+
+def probe_problems(cfg: Config) -> list[Problem]:
+    """The warm start's probe: ``warm_start.probe_size`` training problems, fixed by the seed."""
+    return build_task(cfg.task).sample(cfg.warm_start.probe_size, random.Random(cfg.run.seed + 4))
+
+
+def complete(
+    model: torch.nn.Module,
+    codec: Any,
+    prompts: list[list[int]],
+    answers: list[str],
+    *,
+    k: int,
+    greedy: bool,
+    max_new_tokens: int,
+    temperature: float,
+    generator: torch.Generator | None,
+    version: int,
+    batch_size: int,
+) -> RolloutBatch:
+    """``k`` completions of each tokenised prompt by ``model`` (greedy, or sampled at
+    ``temperature`` from ``generator``), ``batch_size`` rows per engine call, cut at stop strings
+    and grouped per prompt; every token carries ``version``."""
+    samples = [_Sample(i, prompt) for i, prompt in enumerate(prompts) for _ in range(k)]
+    for offset in range(0, len(samples), batch_size):
+        part = samples[offset : offset + batch_size]
+        chunk = sample_chunk(
+            model,
+            [s.prompt for s in part],
+            max_new_tokens,
+            stop_ids=codec.stop_ids,
+            pad_id=codec.pad_id,
+            temperature=temperature,
+            greedy=greedy,
+            generator=generator,
+        )
+        for sample, tokens, logprobs, finished in zip(
+            part, chunk.tokens, chunk.logprobs, chunk.finished, strict=True
+        ):
+            sample.tokens, sample.logprobs, sample.finished = tokens, logprobs, finished
+            sample.versions = [version] * len(tokens)
+            _stop_at_string(codec, sample)
+    return _to_batch(samples, [a for a in answers for _ in range(k)], group_size=k)
+
+
+def _stop_at_string(codec: Any, sample: _Sample) -> None:
+    """End ``sample`` at the token that completes a stop string, if one occurs: the tokens after
+    it are dropped (they were generated, not trained on) and it counts as finished."""
+    keep = codec.stop_length(sample.tokens)
+    if keep is None:
+        return
+    del sample.tokens[keep:], sample.logprobs[keep:], sample.versions[keep:]
+    sample.finished = True
 
 
 def _to_batch(samples: list[_Sample], answers: list[str], group_size: int) -> RolloutBatch:

@@ -33,6 +33,7 @@ from relayrl.algorithms.kl import KL_ESTIMATORS, sequence_kl
 from relayrl.algorithms.losses import BATCH_STATISTICS
 from relayrl.config import Config
 from relayrl.envs import build_task
+from relayrl.executors.generator import complete, probe_problems
 from relayrl.executors.trainer_core import TrainerCore
 from relayrl.models.lm import autocast, build_policy, load_codec, token_logprobs
 from relayrl.types import RolloutBatch, StepResult
@@ -86,6 +87,31 @@ class Trainer(TrainerCore):
         elapsed = time.perf_counter() - start
         metrics = parallel.global_metrics({"warm_start/loss": float(loss.detach())}, {})
         return metrics | {"warm_start/time_s": elapsed}
+
+    def probe(self) -> RolloutBatch:
+        """Greedy completions of the warm start's probe problems by the policy as it trains (its
+        own weights and precision, whatever copy the generators serve), for the warm start's
+        stopping rule. Every rank of a group must call it: each forward is collective."""
+        with self.tracer.span("probe", self.version):
+            problems = probe_problems(self.cfg)
+            self.model.eval()
+            try:
+                with torch.no_grad(), autocast(self.model, self.cfg.trainer.precision):
+                    return complete(
+                        self.model,
+                        self.codec,
+                        [self.codec.encode(p.prompt) for p in problems],
+                        [p.answer for p in problems],
+                        k=1,
+                        greedy=True,
+                        max_new_tokens=self.cfg.generator.max_new_tokens,
+                        temperature=self.cfg.generator.temperature,
+                        generator=None,
+                        version=self.version,
+                        batch_size=500,
+                    )
+            finally:
+                self.model.train()
 
     def _own(self, count: int) -> tuple[slice, bool]:
         """This rank's block of ``count`` items, or the first item as a filler (true) when the

@@ -195,6 +195,15 @@ class LLMWorkload:
         log.log(0, {**{f"eval/{k}": v for k, v in start.items()}, **warm})
         return {"warm_start": warm, "eval": {"start": start}}
 
+    def _probe(self) -> float:
+        """Greedy accuracy on the warm start's probe of the trainer's own policy (not a
+        generator's copy, which may compute in int8), scored by rewarder replica 0."""
+        batches = [rank.probe.remote() for rank in self.trainer]
+        summary, _ = self.rewarders[0].score.options(num_returns=2).remote(batches[0])
+        accuracy = ray.get(summary)["reward_mean"]
+        ray.get(batches)
+        return accuracy
+
     async def evaluate(self, split: str = "heldout") -> dict:
         """Greedy accuracy of generator replica 0's policy on a split, and what it cost."""
         start = time.time()
@@ -273,8 +282,7 @@ class LLMWorkload:
             metrics = ray.get([rank.warm_start.remote(chunk) for rank in self.trainer])[0]
             steps += chunk
             if ws.target_accuracy > 0:
-                ray.get(publish_weights(self.trainer, self.receivers()))
-                probe = asyncio.run(self.evaluate("probe"))["accuracy"]
+                probe = self._probe()
                 say(
                     f"warm start {steps}/{ws.max_steps} steps: probe accuracy {probe:.3f} "
                     f"(target {ws.target_accuracy})"
