@@ -40,6 +40,7 @@ Run from the repository root::
 
     python benchmarks/acce_ablations.py g1                        # 150 steps per arm, seed 0
     python benchmarks/acce_ablations.py g1 --steps 40 --seeds 0 1 # a quicker look, two seeds
+    python benchmarks/acce_ablations.py g1 env.eval_tasks=null --seeds 0   # overrides first
     python benchmarks/acce_ablations.py g3                        # 6 swaps per arm, dist
     python benchmarks/acce_ablations.py g3 --swaps 2 --period 1   # a quick look
     python benchmarks/acce_ablations.py g3 --transport object_store vla.d_model=256
