@@ -6,20 +6,16 @@ import contextlib
 from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
-from transformers import (
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    GenerationConfig,
-    LlamaConfig,
-    LlamaForCausalLM,
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
-)
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from relayrl.config import Config, ModelConfig
+
+if TYPE_CHECKING:
+    from transformers import GenerationConfig, PreTrainedModel
 
 
 def builtin_tokenizer_dir(name: str = "char") -> Path:
@@ -151,6 +147,8 @@ def _generation_config(model_path: str | None) -> GenerationConfig | None:
     """The checkpoint's ``generation_config.json``, or None when it has none."""
     if model_path is None or not (Path(model_path) / "generation_config.json").is_file():
         return None
+    from transformers import GenerationConfig
+
     return GenerationConfig.from_pretrained(model_path)
 
 
@@ -158,6 +156,10 @@ def build_policy(
     cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int
 ) -> PreTrainedModel:
     """The policy model in fp32 on CPU: loaded from ``cfg.path`` or freshly initialised."""
+    # Imported here: the model code costs seconds, and executors that only tokenise (the
+    # rewarder) never build a model.
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
     if cfg.path is not None:
         return AutoModelForCausalLM.from_pretrained(cfg.path, dtype=torch.float32)
     torch.manual_seed(seed)
