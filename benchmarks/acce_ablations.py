@@ -199,8 +199,9 @@ def _g1_run(arm: str, seed: int, summary: dict) -> dict:
         for r in records
         if "eval/success_rate" in r
     ]
-    end = summary["eval"]["end"]["success_rate"]
-    curve.append((float(summary["samples"]["trained"]), end))
+    end, trained_end = summary["eval"]["end"]["success_rate"], float(summary["samples"]["trained"])
+    if not curve or curve[-1][0] != trained_end:  # the end evaluation may be logged already
+        curve.append((trained_end, end))
     rollout = [r["rollout/success_rate"] for r in records if "rollout/success_rate" in r]
     return {
         "arm": arm,
