@@ -22,14 +22,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
 from tqdm import tqdm
 
 from relayrl.config import Config, load_config
 from relayrl.envs.embodied import EmbodiedEnv
 from relayrl.launch import build_env
-from relayrl.models.vla import VLAPolicy
-from relayrl.wm.policies import load_vla_checkpoint
+from relayrl.wm.collect import play_episode
+from relayrl.wm.policies import CheckpointPolicy
 
 PROTOCOLS = ("libero", "seeded")
 SEED_STRIDE = 100_003  # episode seeds of different --seed values never meet
@@ -86,8 +85,7 @@ def evaluate_embodied(
                         f"episodes must be <= {have} under the libero protocol (task {task!r} "
                         f"has {have} init states), got {episodes}"
                     )
-        policy = load_vla_checkpoint(checkpoint)
-        generator = torch.Generator().manual_seed(seed)
+        actor = CheckpointPolicy(checkpoint, seed, greedy=greedy)
         report: dict[str, Any] = {
             "checkpoint": str(checkpoint),
             "env": cfg.env.name,
@@ -103,11 +101,9 @@ def evaluate_embodied(
         for task in chosen:
             results = []
             for i in range(episodes):
-                if protocol == "libero":
-                    options = {"seed": seed * SEED_STRIDE + i, "init_state": i}
-                else:
-                    options = {"seed": seed * SEED_STRIDE + i}
-                results.append(_episode(env, policy, task, options, greedy, generator))
+                options = {"init_state": i} if protocol == "libero" else {}
+                played = play_episode(env, actor, task=task, seed=seed * SEED_STRIDE + i, **options)
+                results.append((played.success, len(played.actions)))
                 bar.update(1)
                 bar.set_postfix(task=task[:24], success=f"{_rate(results):.2f}", refresh=False)
             per_task[task] = {
@@ -139,31 +135,6 @@ def _tasks(env: EmbodiedEnv, names: list[str] | None) -> list[str]:
     if unknown:
         raise ValueError(f"tasks {unknown} are not tasks of this env; allowed: {list(env.tasks)}")
     return list(names)
-
-
-def _episode(
-    env: EmbodiedEnv,
-    policy: VLAPolicy,
-    task: str,
-    options: dict,
-    greedy: bool,
-    generator: torch.Generator,
-) -> tuple[bool, int]:
-    """Play one episode to its end; (success, steps taken)."""
-    obs, steps = env.reset(task=task, **options), 0
-    while True:
-        with torch.no_grad():
-            tokens, _, _ = policy.act(
-                torch.from_numpy(obs.image[None]),
-                [obs.instruction],
-                torch.tensor([obs.step]),
-                greedy=greedy,
-                generator=generator,
-            )
-        result = env.step(env.action_space.to_env(tokens[0].numpy()))
-        obs, steps = result.obs, steps + 1
-        if result.terminated or result.truncated:
-            return bool(result.success), steps
 
 
 def _rate(results: list[tuple[bool, int]]) -> float:

@@ -114,11 +114,18 @@ def collect(
 
 
 def play_episode(
-    env: EmbodiedEnv, actor: EpisodePolicy, *, task: str, seed: int, max_steps: int | None = None
+    env: EmbodiedEnv,
+    actor: EpisodePolicy,
+    *,
+    task: str,
+    seed: int,
+    max_steps: int | None = None,
+    **reset_options: Any,
 ) -> Episode:
-    """One real episode of ``task`` from ``env.reset(task, seed)``, played by ``actor`` until the
-    env ends it (or, if given, ``max_steps`` steps cut it: truncated)."""
-    obs = env.reset(task=task, seed=seed)
+    """One real episode of ``task`` from ``env.reset(task, seed, **reset_options)`` (a LIBERO
+    ``init_state``, say), played by ``actor`` until the env ends it (or, if given, ``max_steps``
+    steps cut it: truncated)."""
+    obs = env.reset(task=task, seed=seed, **reset_options)
     actor.reset(env)
     frames, actions, rewards = [obs.image], [], []
     result = None

@@ -89,25 +89,28 @@ class NoisyScriptedPolicy:
 
 class CheckpointPolicy:
     """A VLA policy saved by an embodied run (``RUN_DIR/checkpoint``: ``model.safetensors`` and
-    ``vla_config.json``), sampling its actions from a seeded generator."""
+    ``vla_config.json``), sampling its actions from a seeded generator (or, with ``greedy``,
+    taking the most likely)."""
 
-    def __init__(self, path: str | Path, seed: int) -> None:
+    def __init__(self, path: str | Path, seed: int, *, greedy: bool = False) -> None:
         self.policy = load_vla_checkpoint(path)
         self.generator = torch.Generator().manual_seed(seed)
+        self.greedy = greedy
 
     def reset(self, env: EmbodiedEnv) -> None:
         """Nothing to prepare: the policy is memoryless."""
 
     def act(self, obs: Observation) -> np.ndarray:
-        """Sampled action tokens [D]."""
+        """Action tokens [D] (sampled, or the most likely with ``greedy``)."""
         steps = torch.tensor([obs.step])
         return self(torch.from_numpy(obs.image[None]), [obs.instruction], steps)[0].numpy()
 
     def __call__(self, frames: Tensor, instructions: list[str], steps: Tensor) -> Tensor:
-        """Sampled action tokens int64 [B, D]."""
-        actions, _, _ = self.policy.act(
-            frames, instructions, steps.long(), generator=self.generator
-        )
+        """Action tokens int64 [B, D] (sampled, or the most likely with ``greedy``)."""
+        with torch.no_grad():
+            actions, _, _ = self.policy.act(
+                frames, instructions, steps.long(), greedy=self.greedy, generator=self.generator
+            )
         return actions
 
 
