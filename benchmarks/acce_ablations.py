@@ -36,11 +36,19 @@ and seed, the arms taking turns. Per run: held-out success (``env.eval_tasks``) 
 ``--eval-every`` steps against trained env steps, the final success, the training episodes'
 success, the mean lag and wall clock.
 
+``g2``: GIPO against PPO-clip under a forced lag. ``configs/babyai.yaml`` with ``--preset acce``
+(GIPO sigma 0.2, neg 1.0), and the same with ``trainer.loss=ppo_clip``, at each
+``inference.min_lag`` of ``--lags`` (the trainer publishes the weights of that many versions ago,
+so every env step is acted that many versions or more behind the trainer; ``max_staleness`` is the
+lag + 2). Per run, as for g1, plus the trainer's fraction of clipped (PPO) or down-weighted to
+w < 0.5 (GIPO) tokens and the normalised ESS of the importance weights, per step.
+
 Run from the repository root::
 
     python benchmarks/acce_ablations.py g1                        # 150 steps per arm, seed 0
     python benchmarks/acce_ablations.py g1 --steps 40 --seeds 0 1 # a quicker look, two seeds
     python benchmarks/acce_ablations.py g1 env.eval_tasks=null --seeds 0   # overrides first
+    python benchmarks/acce_ablations.py g2 env.eval_tasks=null    # lags 1, 4, 8, seed 0
     python benchmarks/acce_ablations.py g3                        # 6 swaps per arm, dist
     python benchmarks/acce_ablations.py g3 --swaps 2 --period 1   # a quick look
     python benchmarks/acce_ablations.py g3 --transport object_store vla.d_model=256
@@ -145,15 +153,55 @@ class TrainerStandIn:
 
 def g1(args: argparse.Namespace) -> tuple[dict, list]:
     """Value recomputation on (fused) and off under lag: one training run per arm and seed."""
+    arms = {
+        arm: [f"max_staleness={args.staleness}", f"trainer.value_recompute={arm}"]
+        for arm in args.arms
+    }
+    runs = _train_arms("g1", args, arms)
+    settings = _settings(args) | {"max_staleness": args.staleness}
+    return {"settings": settings, "arms": _arm_means(runs, arms), "runs": runs}, runs
+
+
+def g2(args: argparse.Namespace) -> tuple[dict, list]:
+    """GIPO against PPO-clip at each forced lag: one training run per loss, lag and seed."""
+    arms = {
+        f"{loss} lag {lag}": [
+            f"trainer.loss={loss}",
+            f"inference.min_lag={lag}",
+            f"max_staleness={lag + 2}",
+        ]
+        for lag in args.lags
+        for loss in args.losses
+    }
+    runs = _train_arms("g2", args, arms)
+    settings = _settings(args) | {"lags": args.lags, "losses": args.losses}
+    return {"settings": settings, "arms": _arm_means(runs, arms), "runs": runs}, runs
+
+
+def _settings(args: argparse.Namespace) -> dict:
+    """The settings every training ablation shares."""
+    return {
+        "config": relative(str(args.config)),
+        "preset": relative(str(ACCE)),
+        "steps": args.steps,
+        "seeds": args.seeds,
+        "eval_every": args.eval_every,
+        "eval_episodes": args.eval_episodes,
+        "overrides": args.overrides,
+    }
+
+
+def _train_arms(name: str, args: argparse.Namespace, arms: dict[str, list[str]]) -> list[dict]:
+    """Train ``args.config`` with ``--preset acce`` once per arm (its overrides) and seed, the
+    arms taking turns within a seed; returns what ``_run_record`` keeps of each run."""
     runs = []
-    with tempfile.TemporaryDirectory(prefix="relayrl-g1-") as tmp:
+    with tempfile.TemporaryDirectory(prefix=f"relayrl-{name}-") as tmp:
         for seed in args.seeds:
-            for arm in args.arms:
+            for index, (arm, arm_overrides) in enumerate(arms.items()):
                 overrides = [
                     *args.overrides,
+                    *arm_overrides,
                     f"steps={args.steps}",
-                    f"max_staleness={args.staleness}",
-                    f"trainer.value_recompute={arm}",
                     f"run.seed={seed}",
                     f"env.eval_episodes={args.eval_episodes}",
                     f"log.eval_every={args.eval_every}",
@@ -162,32 +210,31 @@ def g1(args: argparse.Namespace) -> tuple[dict, list]:
                     f"run.out_dir={tmp}",
                 ]
                 cfg = load_config(args.config, overrides, presets=[ACCE])
-                print(f"[g1] value_recompute={arm}, seed {seed}", file=sys.stderr, flush=True)
+                print(f"[{name}] {arm}, seed {seed}", file=sys.stderr, flush=True)
                 with contextlib.redirect_stdout(sys.stderr):
-                    summary = train(cfg, Path(tmp) / f"{arm}-{seed}")
-                runs.append(_g1_run(arm, seed, summary))
-    arms = {}
-    for arm in args.arms:
+                    summary = train(cfg, Path(tmp) / f"arm{index}-{seed}")
+                runs.append(_run_record(arm, seed, summary))
+    return runs
+
+
+def _arm_means(runs: list[dict], arms: dict[str, list[str]]) -> dict[str, dict]:
+    """Per arm: the final success, mean over seeds and per seed, and the mean clip fraction and
+    ESS over every step of its runs."""
+    out = {}
+    for arm in arms:
         mine = [r for r in runs if r["arm"] == arm]
-        arms[arm] = {
+        out[arm] = {
             "final_success_mean": float(np.mean([r["final_success"] for r in mine])),
             "final_success_per_seed": [r["final_success"] for r in mine],
+            "clip_frac_mean": float(np.mean([r["clip_frac_mean"] for r in mine])),
+            "ess_mean": float(np.mean([r["ess_mean"] for r in mine])),
         }
-    settings = {
-        "config": relative(str(args.config)),
-        "preset": relative(str(ACCE)),
-        "steps": args.steps,
-        "max_staleness": args.staleness,
-        "seeds": args.seeds,
-        "eval_every": args.eval_every,
-        "eval_episodes": args.eval_episodes,
-        "overrides": args.overrides,
-    }
-    return {"settings": settings, "arms": arms, "runs": runs}, runs
+    return out
 
 
-def _g1_run(arm: str, seed: int, summary: dict) -> dict:
-    """What G.1 keeps of one run: the held-out curve against trained env steps and the rest."""
+def _run_record(arm: str, seed: int, summary: dict) -> dict:
+    """What an ablation keeps of one run: the held-out curve against trained env steps, the
+    trainer's clip fraction and ESS per step, and the rest."""
     lines = Path(summary["artifacts"]["metrics"]).read_text().splitlines()
     records = [json.loads(line) for line in lines]
     trained = {
@@ -203,14 +250,23 @@ def _g1_run(arm: str, seed: int, summary: dict) -> dict:
     if not curve or curve[-1][0] != trained_end:  # the end evaluation may be logged already
         curve.append((trained_end, end))
     rollout = [r["rollout/success_rate"] for r in records if "rollout/success_rate" in r]
+    health = [
+        (r["step"], r["loss/clip_frac"], r["loss/ess"], r.get("staleness/mean", float("nan")))
+        for r in records
+        if "loss/clip_frac" in r
+    ]
     return {
         "arm": arm,
         "seed": seed,
         "final_success": end,
         "curve": curve,
+        "health": health,  # (step, clip_frac, ess, mean lag of the step's samples)
+        "clip_frac_mean": float(np.mean([h[1] for h in health])) if health else float("nan"),
+        "ess_mean": float(np.mean([h[2] for h in health])) if health else float("nan"),
         "rollout_success_last10": float(np.mean(rollout[-10:])) if rollout else None,
         "staleness_mean": summary["staleness"]["mean"],
         "trained_env_steps": summary["samples"]["trained"],
+        "dropped_stale": summary["samples"]["dropped_stale"],
         "accounted": summary["samples"]["accounted"],
         "rl_wall_clock_s": summary["perf"]["rl_wall_clock_s"],
     }
@@ -256,6 +312,77 @@ def g1_table(result: dict) -> str:
             f"| {r['arm']} | {r['seed']} | {r['final_success']:.3f} "
             f"| {'-' if rollout is None else f'{rollout:.3f}'} | {r['staleness_mean']:.2f} "
             f"| {r['trained_env_steps']} | {r['rl_wall_clock_s']:.0f} | {r['accounted']} |"
+        )
+    lines.append("")
+    for arm, row in result["arms"].items():
+        lines.append(f"- {arm}: mean final success {row['final_success_mean']:.3f}")
+    lines += ["", f"Command: `{result['command']}`."]
+    return "\n".join(lines)
+
+
+def g2_plot(result: dict, raw: list, path: Path) -> Path:
+    """One column per lag: held-out success against trained env steps, then the clip (or
+    down-weight) fraction and the ESS per step, one line per loss and seed."""
+    s = result["settings"]
+    lags, losses = s["lags"], s["losses"]
+    fig, axes = plt.subplots(3, len(lags), figsize=(4.2 * len(lags), 9), squeeze=False)
+    colours = {loss: f"C{i}" for i, loss in enumerate(losses)}
+    for run in result["runs"]:
+        loss, lag = run["arm"].split(" lag ")
+        col = lags.index(int(lag))
+        style = {"color": colours[loss], "alpha": 0.9 if run["seed"] == s["seeds"][0] else 0.5}
+        label = f"{loss}, seed {run['seed']}"
+        steps, success = zip(*run["curve"], strict=True)
+        axes[0][col].plot(np.asarray(steps) / 1000, success, marker="o", label=label, **style)
+        if run["health"]:
+            step, clip, ess, _ = zip(*run["health"], strict=True)
+            axes[1][col].plot(step, _smooth(clip), label=label, **style)
+            axes[2][col].plot(step, _smooth(ess), label=label, **style)
+    for col, lag in enumerate(lags):
+        axes[0][col].set_title(f"inference.min_lag {lag} (max_staleness {lag + 2})", fontsize=9)
+        axes[0][col].set_xlabel("trained env steps (thousands)")
+        axes[0][col].set_ylim(-0.02, 1.02)
+        axes[1][col].set_ylim(bottom=0)
+        axes[2][col].set_ylim(0, 1.02)
+        for row in range(1, 3):
+            axes[row][col].set_xlabel("trainer step")
+        for row in range(3):
+            axes[row][col].grid(True, alpha=0.3)
+    axes[0][0].set_ylabel(f"held-out success ({s['eval_episodes']} episodes)")
+    axes[1][0].set_ylabel("clipped / down-weighted tokens\n(10-step mean)")
+    axes[2][0].set_ylabel("importance-weight ESS\n(10-step mean)")
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle("G.2: GIPO(0.2, 1.0) against PPO-clip, --preset acce, forced lag", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _smooth(values: tuple[float, ...], window: int = 10) -> np.ndarray:
+    """Trailing mean over ``window`` steps (shorter at the start)."""
+    x = np.asarray(values, dtype=float)
+    sums = np.cumsum(np.insert(x, 0, 0.0))
+    counts = np.minimum(np.arange(1, len(x) + 1), window)
+    return (sums[1:] - sums[np.arange(1, len(x) + 1) - counts]) / counts
+
+
+def g2_table(result: dict) -> str:
+    """One row per run, then the mean final success per arm."""
+    lines = [
+        "| loss | forced lag | seed | final held-out success | training success (last 10 steps) "
+        "| clipped / down-weighted | ESS | mean lag | trained env steps | stale drops "
+        "| RL wall clock (s) | books balance |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in result["runs"]:
+        loss, lag = r["arm"].split(" lag ")
+        rollout = r["rollout_success_last10"]
+        lines.append(
+            f"| {loss} | {lag} | {r['seed']} | {r['final_success']:.3f} "
+            f"| {'-' if rollout is None else f'{rollout:.3f}'} | {r['clip_frac_mean']:.3f} "
+            f"| {r['ess_mean']:.3f} | {r['staleness_mean']:.2f} | {r['trained_env_steps']} "
+            f"| {r['dropped_stale']} | {r['rl_wall_clock_s']:.0f} | {r['accounted']} |"
         )
     lines.append("")
     for arm, row in result["arms"].items():
@@ -529,6 +656,7 @@ def g3_table(result: dict) -> str:
 # name -> (run: args -> (result, raw data), plot: (result, raw data, path) -> path, table)
 ABLATIONS: dict[str, tuple[Callable, Callable, Callable[[dict], str]]] = {
     "g1": (g1, g1_plot, g1_table),
+    "g2": (g2, g2_plot, g2_table),
     "g3": (g3, g3_plot, g3_table),
 }
 
@@ -576,6 +704,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g1_args.add_argument("--eval-every", type=int, default=25, help="steps between evals (25)")
     g1_args.add_argument("--eval-episodes", type=int, default=32, help="episodes per eval (32)")
     g1_args.add_argument("overrides", nargs="*", default=[], help="a.b=value config overrides")
+    g2_args = sub.add_parser("g2", help="GIPO against PPO-clip at forced lags")
+    g2_args.add_argument(
+        "--config", type=Path, default=REPO / "configs" / "babyai.yaml", help="configs/babyai.yaml"
+    )
+    g2_args.add_argument("--steps", type=int, default=150, help="train steps per run (150)")
+    g2_args.add_argument(
+        "--lags", type=int, nargs="+", default=[1, 4, 8], help="inference.min_lag values (1 4 8)"
+    )
+    g2_args.add_argument(
+        "--losses", nargs="+", choices=["gipo", "ppo_clip"], default=["gipo", "ppo_clip"]
+    )
+    g2_args.add_argument("--seeds", type=int, nargs="+", default=[0], help="run.seed values (0)")
+    g2_args.add_argument("--eval-every", type=int, default=25, help="steps between evals (25)")
+    g2_args.add_argument("--eval-episodes", type=int, default=32, help="episodes per eval (32)")
+    g2_args.add_argument("overrides", nargs="*", default=[], help="a.b=value config overrides")
     g = sub.add_parser("g3", help="inference.early_drain: latency while weights swap")
     g.add_argument(
         "--config", type=Path, default=REPO / "configs" / "babyai.yaml", help="configs/babyai.yaml"
@@ -608,6 +751,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.ablation == "g1":
         if min(args.steps, args.staleness, args.eval_every, args.eval_episodes) < 1:
             parser.error("--steps, --staleness, --eval-every and --eval-episodes must be >= 1")
+        return args
+    if args.ablation == "g2":
+        if min(args.steps, args.eval_every, args.eval_episodes, *args.lags) < 1:
+            parser.error("--steps, --lags, --eval-every and --eval-episodes must be >= 1")
         return args
     if args.swaps < 1 or args.callers < 1 or args.period <= 0 or min(args.hash_buckets) < 1:
         parser.error("--swaps, --callers, --hash-buckets must be >= 1 and --period > 0")

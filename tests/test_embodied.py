@@ -153,20 +153,31 @@ def test_async_run_bounds_the_lag_keeps_the_books_and_contains_env_crashes(
     assert versions == list(range(1, stepped + 1))
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
+# The lockstep run also forces a lag of one version: the ranks publish their held shards.
+@pytest.mark.parametrize(("mode", "lag"), [("sync", 1), ("async", 0)])
 def test_two_trainer_ranks_and_two_inference_replicas_serve_train_and_keep_the_books(
-    ray_session, tmp_path, mode
+    ray_session, tmp_path, mode, lag
 ):
-    cfg = tiny_config(*SMALL, f"mode={mode}", "trainer.ranks=2", "inference.replicas=2")
+    cfg = tiny_config(
+        *SMALL,
+        f"mode={mode}",
+        "trainer.ranks=2",
+        "inference.replicas=2",
+        f"inference.min_lag={lag}",
+        "max_staleness=2",
+    )
     summary = train(cfg, tmp_path / "run")
     samples = check_books(summary)
     assert summary["updates"] == summary["steps"] == 3
-    assert sum(summary["staleness"]["hist"].values()) == samples["trained"]
+    hist = summary["staleness"]["hist"]
+    assert sum(hist.values()) == samples["trained"]
+    if lag:  # step 1 trains on version 0 at version 0; steps 2 and 3 one version behind
+        assert set(hist) == {"0", "1"} and hist["1"] > hist["0"] > 0
     assert changed_parameters(summary, cfg.run.seed)
-    # Each replica serves its own workers and ends on the trainer's last version.
+    # Each replica serves its own workers and ends on the trainer's last version (less the lag).
     inference = summary["perf"]["inference"]
     assert inference["replicas"] == 2 and min(inference["requests_per_replica"]) > 0
-    assert inference["versions"] == [3, 3]
+    assert inference["versions"] == [3 - lag, 3 - lag]
     assert summary["sync"]["publishes"] == summary["updates"] + 1
     names = [a["name"] for a in summary["topology"]["roles"]["inference_service"]]
     assert names == ["inference_service_0", "inference_service_1"]

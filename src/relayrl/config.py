@@ -573,6 +573,16 @@ class InferenceConfig(_Section):
         "(a worker on another node than its replica falls back to Ray calls); ray: one Ray actor "
         "call per env step.",
     )
+    min_lag: int = Field(
+        0,
+        ge=0,
+        description="Forced policy lag K for staleness studies: the trainer publishes the weights "
+        "of K versions ago (it holds K + 1 copies), so every env step is acted by a policy at "
+        "least K versions older than the trainer that trains on it (exactly K in mode=sync; "
+        "async adds its own 0-2). Evaluations play the served, lagged policy. Needs "
+        "max_staleness >= min_lag (min_lag + 2 in async mode keeps most samples) and "
+        "sync.in_place=false. 0: off (lags are what timing gives).",
+    )
     resources: dict[str, float] = _resources("inference-service")
 
 
@@ -942,6 +952,17 @@ class Config(_Section):
                     f"{key}: does not apply to workload={self.workload!r} (only "
                     f"workload={other!r} reads it); remove it or set workload={other}"
                 )
+        lag = self.inference.min_lag
+        if self.max_staleness < lag:
+            raise ValueError(
+                f"max_staleness={self.max_staleness} must be >= inference.min_lag={lag}: the "
+                "trainer would drop every segment the forced lag makes"
+            )
+        if lag and self.sync.in_place:
+            raise ValueError(
+                f"inference.min_lag={lag} publishes held copies of older weights, but "
+                "sync.in_place=true sends the live parameters; set sync.in_place=false"
+            )
         lag = self.generator.min_lag
         if self.max_staleness < lag:
             raise ValueError(

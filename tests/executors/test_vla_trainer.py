@@ -15,6 +15,7 @@ from relayrl.config import ConfigError, load_config
 from relayrl.executors.vla_trainer import VLATrainer, micro_batches
 from relayrl.models.vla import VLAConfig, VLAPolicy
 from relayrl.types import Segment
+from relayrl.weight_sync import TRANSPORTS
 
 TINY_VLA = VLAConfig(
     image_size=8,
@@ -290,3 +291,40 @@ def test_lagged_welford_standardises_with_the_earlier_steps_statistics():
 def test_fused_recompute_without_its_companions_is_refused_naming_them():
     with pytest.raises(ConfigError, match="value_recompute=fused.*trainer.epochs=2"):
         make_trainer("trainer.value_recompute=fused")
+
+
+def test_a_forced_lag_publishes_the_weights_of_min_lag_versions_ago_and_resumes_them():
+    trainer = make_trainer("inference.min_lag=2", "max_staleness=4")
+    receiver_model = VLAPolicy(TINY_VLA)
+    address = trainer.open_sync("shm", ["service"])
+    receiver = TRANSPORTS["shm"].Receiver(receiver_model, [address], "service", timeout_s=10)
+    weights = {}  # version -> the trainer's weights at it
+    try:
+        for step in range(5):
+            weights[trainer.version] = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+            ticket = trainer.publish()
+            assert ticket.version == max(step - 2, 0)
+            receiver.receive([ticket])
+            with receiver.serving() as served:
+                assert served == ticket.version
+                for key, value in receiver_model.state_dict().items():
+                    assert torch.equal(value, weights[ticket.version][key]), key
+            assert trainer.train_step([segment(3, seed=step, version=ticket.version)]).stepped
+        # Versions 3 and 4 are held (4 is the newest published, 5 is not yet); a resumed trainer
+        # publishes version 3 next, as this one would.
+        assert [v for v, _ in trainer.held] == [2, 3, 4]
+        other = make_trainer("inference.min_lag=2", "max_staleness=4", "run.seed=9")
+        other.load_state_dict(trainer.state_dict())
+        assert other.publish_lag == 2 and [v for v, _ in other.held] == [2, 3, 4]
+        version, state = other._lagged()
+        assert version == 3 and all(torch.equal(state[k], weights[3][k]) for k in state)
+    finally:
+        receiver.close()
+        trainer.close_sync()
+
+
+def test_a_forced_lag_needs_the_staleness_bound_and_held_copies():
+    with pytest.raises(ConfigError, match=r"max_staleness=2 must be >= inference.min_lag=3"):
+        make_trainer("inference.min_lag=3")
+    with pytest.raises(ConfigError, match=r"inference.min_lag=1 .*sync.in_place=false"):
+        make_trainer("inference.min_lag=1", "sync.in_place=true", "sync.transport=dist")

@@ -21,12 +21,18 @@ sharded with FSDP2 and the optimizer and schedule are rebuilt over the shards, s
 is sharded too. From then on ``train_step``, ``warm_start``, ``save_pretrained`` and ``publish``
 are called on every rank with the same arguments (each publishes its own rows), and each rank
 keeps the books of its own share of the samples.
+
+With ``publish_lag`` = K (embodied: ``inference.min_lag``) the trainer publishes the weights of K
+versions ago, which it holds as copies: the policy that acts is then at least K versions behind
+the one that trains on its samples, a forced lag for staleness studies. The held copies are part
+of ``state_dict``, so a resumed run serves the same old weights.
 """
 
 from __future__ import annotations
 
 import copy
 import math
+from collections import deque
 
 import torch
 
@@ -58,6 +64,7 @@ class TrainerCore:
         adam_eps: float = 1e-8,
         rank: int = 0,
         world: int = 1,
+        publish_lag: int = 0,
     ):
         if not 0 <= rank < world:
             raise ValueError(f"rank must be in [0, world={world}), got rank={rank}")
@@ -74,6 +81,9 @@ class TrainerCore:
         self.trained = 0
         self.dropped_stale = 0
         self.skipped_nonfinite = 0
+        self.publish_lag = publish_lag
+        # (version, copy of the weights) of the versions publish() may still send, oldest first.
+        self.held: deque[tuple[int, dict[str, torch.Tensor]]] = deque()
         self.tracer = Tracer(self.name)
         self.sync = TrainerSide(
             timeout_s=cfg.sync.timeout_s,
@@ -192,10 +202,24 @@ class TrainerCore:
         self.sync.publisher.connect()
 
     def publish(self) -> Ticket:
-        """Publish the current weights as the current version; returns the receivers' ticket."""
+        """Publish the current weights as the current version (with ``publish_lag`` K: those of
+        the oldest held version at most K behind); returns the receivers' ticket."""
         faults.reach("publish")
         with self.tracer.span("publish", self.version):
-            return self.sync.publish(self.version, self.model.state_dict())
+            version, state = self._lagged()
+            return self.sync.publish(version, state)
+
+    def _lagged(self) -> tuple[int, dict[str, torch.Tensor]]:
+        """The version and weights to publish: the current ones, or with ``publish_lag`` the
+        oldest held copy no more than ``publish_lag`` versions old (version 0's until then)."""
+        state = self.model.state_dict()
+        if not self.publish_lag:
+            return self.version, state
+        if not self.held or self.held[-1][0] != self.version:
+            self.held.append((self.version, {k: t.detach().clone() for k, t in state.items()}))
+        while self.version - self.held[0][0] > self.publish_lag:
+            self.held.popleft()
+        return self.held[0]
 
     def sync_stats(self) -> dict:
         """Trainer-side stall of every publish, in order, and the receivers lost."""
@@ -240,6 +264,7 @@ class TrainerCore:
                 "dropped_stale": self.dropped_stale,
                 "skipped_nonfinite": self.skipped_nonfinite,
                 "torch_rng": torch.get_rng_state(),
+                "held": list(self.held),
             }
         )
 
@@ -254,6 +279,7 @@ class TrainerCore:
         self.dropped_stale = state["dropped_stale"]
         self.skipped_nonfinite = state["skipped_nonfinite"]
         torch.set_rng_state(state["torch_rng"])
+        self.held = deque(state["held"])
 
     def save_checkpoint(self, directory: str) -> dict:
         """Write this rank's ``state_dict`` into a run checkpoint's staging directory as

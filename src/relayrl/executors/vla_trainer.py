@@ -168,7 +168,14 @@ class VLATrainer(TrainerCore):
         self.tc = cfg.trainer
         self.vla = vla
         self.policy = VLAPolicy(vla).train()
-        super().__init__(cfg, self.policy, adam_eps=1e-5, rank=rank, world=world)
+        super().__init__(
+            cfg,
+            self.policy,
+            adam_eps=1e-5,
+            rank=rank,
+            world=world,
+            publish_lag=cfg.inference.min_lag,
+        )
         self.generator = torch.Generator().manual_seed(cfg.run.seed + 5)
         self.adv_stats = Welford()  # every earlier step's raw advantages (adv_norm=lagged_welford)
 
