@@ -501,6 +501,12 @@ class RolloutConfig(_Section):
         description="Environments each rollout worker steps (async mode only): it asks for all "
         "their actions in one request and steps them together, one thread each.",
     )
+    env_threads: bool = Field(
+        True,
+        description="Step each env on a thread of its own (needed by simulators whose GL "
+        "context belongs to one thread: MetaWorld, LIBERO); false steps a worker's envs one "
+        "after another on its own thread, cheaper for pure-Python envs such as BabyAI.",
+    )
     resources: dict[str, float] = _resources("rollout-worker (and evaluator)")
     segment_len: int = Field(
         32, ge=1, description="Most steps in one trajectory segment (L); episodes are cut."

@@ -565,6 +565,10 @@ class BufferSink:
     def __call__(self, segment: Any) -> None:
         ray.get(self.buffer.put.remote(segment))
 
+    def put_many(self, segments: list[Any]) -> None:
+        """Put ``segments`` in one call, in order."""
+        ray.get(self.buffer.put_many.remote(segments))
+
 
 def vla_config(cfg: Config, views: int, dims: int, vocab: int) -> VLAConfig:
     """The VLA policy's sizes: ``cfg.vla`` plus what the env decides (views, action tokens)."""

@@ -213,13 +213,28 @@ class BatchedService:
         ]
 
 
-def test_a_worker_steps_several_envs_with_one_request_and_keeps_one_set_of_books():
+class RoundSink:
+    """A sink with ``put_many``: records the segments of each call."""
+
+    def __init__(self):
+        self.calls: list[list] = []
+
+    def put_many(self, segments) -> None:
+        self.calls.append(list(segments))
+
+
+@pytest.mark.parametrize("env_threads", [True, False])
+def test_a_worker_steps_several_envs_with_one_request_and_keeps_one_set_of_books(env_threads):
     # Env 0 crashes at its 5th step, env 2 at its 9th; episodes are 7 steps (L = 3).
     factory = Factory({"fail_step": [5]}, {"offset": 1}, {"fail_step": [9], "offset": 2}, {})
-    worker = RolloutWorker(0, factory, segment_len=3, seed=0, envs=3)
+    worker = RolloutWorker(0, factory, segment_len=3, seed=0, envs=3, env_threads=env_threads)
     service = BatchedService()
-    segments: list = []
-    worker.run(service, segments.append, max_segments=20)
+    sink = RoundSink()
+    worker.run(service, sink, max_segments=20)
+    # One call per round that closed segments: a round closes one per env at most.
+    assert sink.calls and all(1 <= len(call) <= 3 for call in sink.calls)
+    assert max(len(call) for call in sink.calls) > 1
+    segments = [seg for call in sink.calls for seg in call]
     assert set(service.batches) == {3}  # every request asked for all three envs
     stats = worker.stats()
     assert stats["env_errors"] == 2 and stats["dropped_error_steps"] > 0
@@ -382,3 +397,16 @@ def test_every_env_call_runs_on_one_thread_whoever_calls_the_worker():
     drive(worker, 4)
     assert len(envs) == 1 and len(envs[0].threads) == 1
     assert threading.get_ident() not in envs[0].threads
+
+
+def test_without_env_threads_the_envs_run_on_the_callers_thread():
+    envs = []
+    worker = RolloutWorker(
+        0,
+        lambda: envs.append(ThreadRecordingEnv()) or envs[-1],
+        segment_len=3,
+        seed=0,
+        env_threads=False,
+    )
+    drive(worker, 4)
+    assert len(envs) == 1 and envs[0].threads == {threading.get_ident()}

@@ -71,6 +71,11 @@ class ReplayBuffer:
             self._resident_steps += steps
             self._cond.notify_all()
 
+    def put_many(self, segments: list[Segment]) -> None:
+        """``put`` each of ``segments``, in order (one call for a worker's round)."""
+        for segment in segments:
+            self.put(segment)
+
     def get(
         self, min_steps: int, trainer_version: int, timeout_s: float | None = None
     ) -> list[Segment]:

@@ -8,7 +8,11 @@ images overlap by one observation (the last image of a piece is the first of the
 In ``run`` a worker may step ``envs`` environments: it asks for all their actions in one request
 (``act_many`` where the service has it) and steps them together, each on its own thread, so that
 the round trips to the service, and the worker processes, are ``envs`` times fewer. Each env plays
-its own episodes and fills its own segments; the books are the worker's.
+its own episodes and fills its own segments; the books are the worker's. With ``env_threads``
+off the envs are stepped one after another on the calling thread instead: cheaper for an env that
+holds the GIL anyway (BabyAI's renderer is pure Python), but a simulator whose GL context belongs
+to the thread that made it (MuJoCo's EGL renderer) needs a thread of its own per env. The segments
+one round closes go to the sink together (``put_many`` where the sink has it): one call per round.
 
 An environment that raises in ``reset`` or ``step`` does not stop the worker: the episode ends, the
 steps of its unfinished segment are counted as ``dropped_error_steps``, the env is closed and built
@@ -106,6 +110,7 @@ class RolloutWorker:
     ``max_consecutive_errors`` env errors with no successful step in between the worker gives up
     and raises, since the env is broken rather than flaky. The last ``errors_kept`` error messages
     are kept for ``stats``; up to ``results_kept`` undrained episode results are kept.
+    ``env_threads`` steps each env on a thread of its own (see the module docstring).
     """
 
     name = "rollout_worker"
@@ -122,6 +127,7 @@ class RolloutWorker:
         max_consecutive_errors: int = 10,
         errors_kept: int = 5,
         results_kept: int = 10_000,
+        env_threads: bool = True,
     ):
         if segment_len < 1:
             raise ValueError(f"segment_len must be >= 1, got {segment_len}")
@@ -134,7 +140,8 @@ class RolloutWorker:
         self.segment_len = segment_len
         self.task_sampler = task_sampler
         self.max_consecutive_errors = max_consecutive_errors
-        self.slots = [_Slot(_EnvThread(make_env)) for _ in range(envs)]
+        self._env_kind = _EnvThread if env_threads else _EnvInline
+        self.slots = [_Slot(self._env_kind(make_env)) for _ in range(envs)]
         self._rng = random.Random(seed)
         self._episode = -1  # the worker's last episode number, over all its envs
         self._consecutive_errors = 0
@@ -188,7 +195,8 @@ class RolloutWorker:
         ``ActReply`` (a Ray inference-service handle wrapped in a function, or an in-process
         callable, or a ``SocketServiceClient``); one with ``act_many`` (observations, worker,
         env steps -> replies) is asked for every env's action at once. ``sink`` takes a segment
-        (e.g. puts it into the replay buffer). Their errors are not contained: they propagate out
+        (e.g. puts it into the replay buffer); one with ``put_many`` takes the segments a round
+        closed in one call. Their errors are not contained: they propagate out
         of ``run``. An unfinished segment stays open and continues at the next ``run`` or
         ``step``. A ``service`` with a ``close`` method is closed when ``run`` returns.
         """
@@ -204,10 +212,13 @@ class RolloutWorker:
                     replies = [service(obs, *asked) for obs in observations]
                 self._wait_s += time.perf_counter() - start
                 answers = [(r.actions, r.logprobs, r.value, r.version) for r in replies]
-                stepped = self._step_slots(self.slots, answers)
-                for segment in stepped.segments:
-                    sink(segment)
-                    emitted += 1
+                closed = self._step_slots(self.slots, answers).segments
+                if closed and hasattr(sink, "put_many"):
+                    sink.put_many(closed)
+                else:
+                    for segment in closed:
+                        sink(segment)
+                emitted += len(closed)
         finally:
             self._stop.clear()
             if hasattr(service, "close"):
@@ -423,7 +434,7 @@ class RolloutWorker:
                 f"rollout worker {self.worker_id}: {self._consecutive_errors} env errors in a row "
                 f"(max_consecutive_errors={self.max_consecutive_errors}); last: {where}: {err!r}"
             ) from err
-        slot.env = _EnvThread(self.make_env)
+        slot.env = self._env_kind(self.make_env)
 
 
 class _EnvThread:
@@ -457,6 +468,37 @@ class _EnvThread:
             self._thread.submit(self.env.close).result()
         finally:
             self._thread.shutdown(wait=False)
+
+
+class _EnvInline:
+    """One env called on the caller's thread; ``submit_step`` returns a finished future, so the
+    worker treats it as an ``_EnvThread``."""
+
+    def __init__(self, make_env: Callable[[], EmbodiedEnv]):
+        self.env = make_env()
+        self.action_space = self.env.action_space
+        self.tasks = self.env.tasks
+
+    def reset(self, **kwargs: Any) -> Observation:
+        """``env.reset``."""
+        return self.env.reset(**kwargs)
+
+    def step(self, action: Any) -> StepResult:
+        """``env.step``."""
+        return self.env.step(action)
+
+    def submit_step(self, action: Any) -> Future:
+        """``env.step`` run now; its outcome (result or error) as a finished future."""
+        future: Future = Future()
+        try:
+            future.set_result(self.env.step(action))
+        except Exception as err:  # the worker contains it, as an _EnvThread's
+            future.set_exception(err)
+        return future
+
+    def close(self) -> None:
+        """``env.close``."""
+        self.env.close()
 
 
 def _sampler_state(sampler: Callable[[], str] | None) -> dict | None:

@@ -169,6 +169,7 @@ class EmbodiedWorkload:
                 envs=cfg.rollout.envs_per_worker if role == "rollout_worker" else 1,
                 task_sampler=TaskSampler(self.tasks, seed),
                 max_consecutive_errors=cfg.rollout.max_consecutive_errors,
+                env_threads=cfg.rollout.env_threads,
             )
         )
 
