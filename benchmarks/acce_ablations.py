@@ -193,7 +193,8 @@ def _settings(args: argparse.Namespace) -> dict:
 
 def _train_arms(name: str, args: argparse.Namespace, arms: dict[str, list[str]]) -> list[dict]:
     """Train ``args.config`` with ``--preset acce`` once per arm (its overrides) and seed, the
-    arms taking turns within a seed; returns what ``_run_record`` keeps of each run."""
+    arms taking turns within a seed; returns what ``_run_record`` keeps of each run, also
+    written to ``acce_ablations_NAME.partial.json`` as each run ends."""
     runs = []
     with tempfile.TemporaryDirectory(prefix=f"relayrl-{name}-") as tmp:
         for seed in args.seeds:
@@ -214,6 +215,9 @@ def _train_arms(name: str, args: argparse.Namespace, arms: dict[str, list[str]])
                 with contextlib.redirect_stdout(sys.stderr):
                     summary = train(cfg, Path(tmp) / f"arm{index}-{seed}")
                 runs.append(_run_record(arm, seed, summary))
+                # A sweep killed part-way keeps the runs that finished.
+                partial = args.out / f"acce_ablations_{name}.partial.json"
+                partial.write_text(json.dumps({"runs": runs}, indent=1) + "\n")
     return runs
 
 
