@@ -108,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
         if stage + 1 < len(stages) and len(current) == WINDOW and np.mean(current) >= args.promote:
             stage += 1
             promotions.append({"stage": stages[stage], "env_steps": frames})
+        last = outcomes[stages[-1]]
+        if args.stop_at and len(last) == WINDOW and np.mean(last) >= args.stop_at:
+            break
     result = {
         "benchmark": NAME,
         "command": shlex.join(["python", *(relative(arg) for arg in sys.argv)]),
@@ -219,6 +222,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--loss", default="ppo_clip", choices=sorted(LOSSES))
     parser.add_argument("--minutes", type=float, default=7.0)
     parser.add_argument("--max-steps", type=int, default=10**9, help="env steps")
+    parser.add_argument(
+        "--stop-at",
+        type=float,
+        default=None,
+        help="stop once the last stage's success over its last 200 episodes reaches this",
+    )
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--summary-only", action="store_true", help="VLAConfig.patch_tokens=False")
     parser.add_argument("--seed", type=int, default=0)

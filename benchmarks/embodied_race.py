@@ -1,0 +1,248 @@
+"""Time to S7N4 success: the single-process reference against the pipeline, in one run.
+
+The reference (``benchmarks/babyai_reference.py --summary-only``: the same policy and curriculum,
+one process, one thread, PPO-clip, nothing stale) runs first and stops once its rollout success
+on the last stage, over its last 200 episodes, reaches ``--target``. Then ``relayrl train
+configs/babyai.yaml`` with ``overrides`` runs for ``--steps`` trainer steps, evaluating every
+``--eval-every`` steps (``env.eval_episodes`` sampled episodes of S7N4); its time to target is the
+wall clock from the start of the job to the end of the first evaluation at or above ``--target``
+(start-up and evaluations included), and also from the start of RL.
+
+Reported side by side: time to target and its ratio (pipeline / reference), env steps per second
+(pipeline: trained, over the RL window; reference: all) and their ratio, the pipeline's trainer
+busy fraction, and the env steps each needed. Ray's workers run at nice 0 like the reference
+(``RAY_worker_niceness``).
+
+    python benchmarks/embodied_race.py rollout.workers=2 rollout.envs_per_worker=8
+    python benchmarks/embodied_race.py --target 0.8 --steps 300
+
+It writes ``benchmarks/results/embodied_race.json`` and ``.png`` and prints a Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import git_state, machine, relative, save_result  # noqa: E402
+
+from relayrl.config import load_config  # noqa: E402
+from relayrl.job import train  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+NAME = "embodied_race"
+WORKER_NICENESS = "RAY_worker_niceness"  # Ray's own spelling
+STAGES = ["BabyAI-GoToLocalS5N2-v0", "BabyAI-GoToLocalS6N3-v0", "BabyAI-GoToLocalS7N4-v0"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the reference, then the pipeline; write the JSON and plot, print the table."""
+    args = parse_args(argv)
+    os.environ[WORKER_NICENESS] = "0"
+    result = {
+        "benchmark": NAME,
+        "command": shlex.join(["python", *(relative(arg) for arg in sys.argv)]),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine(),
+        "git": git_state(),
+        "settings": {
+            "config": relative(str(args.config)),
+            "target": args.target,
+            "steps": args.steps,
+            "eval_every": args.eval_every,
+            "eval_episodes": args.eval_episodes,
+            "reference_minutes": args.reference_minutes,
+            "overrides": args.overrides,
+        },
+    }
+    with tempfile.TemporaryDirectory(prefix="relayrl-race-") as tmp:
+        load = os.getloadavg()[0]
+        result["reference"] = run_reference(args, Path(tmp)) | {"load_1min_at_start": load}
+        load = os.getloadavg()[0]
+        result["pipeline"] = run_pipeline(args, Path(tmp)) | {"load_1min_at_start": load}
+    ref, pipe = result["reference"], result["pipeline"]
+    result["ratios"] = {
+        "time_to_target": _ratio(pipe["time_to_target_s"], ref["time_to_target_s"]),
+        "rl_time_to_target": _ratio(pipe["rl_time_to_target_s"], ref["time_to_target_s"]),
+        "env_steps_per_s": pipe["env_steps_per_s"] / ref["env_steps_per_s"],
+    }
+    save_result(args.out, NAME, result, plot, markdown_table(result))
+    return 0
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line; ``overrides`` are ``a.b=value`` items for the pipeline run."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", type=Path, default=REPO / "configs" / "babyai.yaml")
+    parser.add_argument("--target", type=float, default=0.9, help="S7N4 success to reach (0.9)")
+    parser.add_argument("--steps", type=int, default=450, help="most pipeline trainer steps")
+    parser.add_argument("--eval-every", type=int, default=25, help="pipeline steps per eval")
+    parser.add_argument("--eval-episodes", type=int, default=100, help="episodes per eval")
+    parser.add_argument(
+        "--reference-minutes", type=float, default=20.0, help="most minutes of the reference"
+    )
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
+    parser.add_argument("overrides", nargs="*", help="a.b=value items for the pipeline run")
+    args = parser.parse_args(argv)
+    if not 0 < args.target <= 1 or min(args.steps, args.eval_every, args.eval_episodes) < 1:
+        parser.error("--target must be in (0, 1]; --steps, --eval-every, --eval-episodes >= 1")
+    return args
+
+
+def run_reference(args: argparse.Namespace, tmp: Path) -> dict:
+    """The single-process reference until ``--target`` (or ``--reference-minutes``)."""
+    print(f"[{NAME}] reference", file=sys.stderr, flush=True)
+    command = [sys.executable, str(REPO / "benchmarks" / "babyai_reference.py"), "--stages"]
+    command += [*STAGES, "--summary-only", "--minutes", str(args.reference_minutes)]
+    command += ["--stop-at", str(args.target), "--name", "reference", "--out", str(tmp)]
+    start = time.time()
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+    wall = time.time() - start
+    found = json.loads((tmp / "reference.json").read_text())
+    last = STAGES[-1]
+    reached = next(
+        (c for c in found["curve"] if c.get(last) is not None and c[last] >= args.target), None
+    )
+    return {
+        "wall_clock_s": wall,
+        "env_steps": found["env_steps"],
+        "env_steps_per_s": found["env_steps_per_s"],
+        "time_to_target_s": None if reached is None else reached["wall_s"],
+        "env_steps_to_target": None if reached is None else reached["env_steps"],
+        "curve": [(c["wall_s"], c["env_steps"], c.get(last)) for c in found["curve"]],
+    }
+
+
+def run_pipeline(args: argparse.Namespace, tmp: Path) -> dict:
+    """One ``relayrl train`` run of ``--steps`` steps, evaluated every ``--eval-every``."""
+    print(f"[{NAME}] pipeline", file=sys.stderr, flush=True)
+    cfg = load_config(
+        args.config,
+        [
+            *args.overrides,
+            f"steps={args.steps}",
+            f"log.eval_every={args.eval_every}",
+            f"env.eval_episodes={args.eval_episodes}",
+            "log.progress=false",
+            "log.tensorboard=false",
+            f"run.out_dir={tmp}",
+        ],
+    )
+    start = time.time()
+    with contextlib.redirect_stdout(sys.stderr):
+        summary = train(cfg, tmp / "pipeline")
+    wall = time.time() - start
+    lines = Path(summary["artifacts"]["metrics"]).read_text().splitlines()
+    records = [json.loads(x) for x in lines]
+    trained = {
+        r["step"]: r["samples/trained_total"] for r in records if "samples/trained_total" in r
+    }
+    rl_start = next(r["time"] for r in records if r["step"] == 0)
+    evals = [
+        (r["time"], trained.get(r["step"], 0.0), r["eval/success_rate"])
+        for r in records
+        if "eval/success_rate" in r
+    ]
+    end = summary["eval"]["end"]["success_rate"]
+    evals.append((start + wall, float(summary["samples"]["trained"]), end))
+    reached = next((e for e in evals if e[2] >= args.target), None)
+    perf = summary["perf"]
+    return {
+        "wall_clock_s": wall,
+        "rl_wall_clock_s": perf["rl_wall_clock_s"],
+        "env_steps": summary["samples"]["trained"],
+        "env_steps_per_s": summary["rollout"]["env_steps_per_s"],
+        "trainer_busy": perf["busy"]["trainer"],
+        "inference_busy": perf["busy"]["inference_service"],
+        "time_to_target_s": None if reached is None else reached[0] - start,
+        "rl_time_to_target_s": None if reached is None else reached[0] - rl_start,
+        "env_steps_to_target": None if reached is None else reached[1],
+        "final_success": end,
+        "stale_drops": summary["samples"]["dropped_stale"],
+        "accounted": summary["samples"]["accounted"],
+        "curve": [(t - start, steps, success) for t, steps, success in evals],
+    }
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else a / b
+
+
+def plot(result: dict, path: Path) -> Path:
+    """S7N4 success against wall clock and against env steps, both runs."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    ref = [(t, s, v) for t, s, v in result["reference"]["curve"] if v is not None]
+    runs = {
+        "reference (rollouts, last 200)": ref,
+        "pipeline (evaluation)": result["pipeline"]["curve"],
+    }
+    for label, curve in runs.items():
+        if curve:
+            t, steps, success = zip(*curve, strict=True)
+            left.plot([x / 60 for x in t], success, marker=".", label=label)
+            right.plot([x / 1000 for x in steps], success, marker=".", label=label)
+    for ax, xlabel in ((left, "wall clock (minutes)"), (right, "env steps (thousands)")):
+        ax.axhline(result["settings"]["target"], color="0.6", linestyle=":")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("S7N4 success")
+        ax.set_ylim(0, 1)
+        ax.grid(True, alpha=0.3)
+    left.legend(fontsize=8)
+    fig.suptitle(result["command"], fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def markdown_table(result: dict) -> str:
+    """Both runs side by side, then the ratios."""
+    ref, pipe, r = result["reference"], result["pipeline"], result["ratios"]
+
+    def minutes(s: float | None) -> str:
+        return "not reached" if s is None else f"{s / 60:.1f} min"
+
+    def steps(n: float | None) -> str:
+        return "-" if n is None else f"{n / 1000:.0f}k"
+
+    rows = [
+        "| run | time to target | env steps to target | env steps/s | trainer busy "
+        "| load at start |",
+        "|---|---|---|---|---|---|",
+        f"| reference, 1 process | {minutes(ref['time_to_target_s'])} "
+        f"| {steps(ref['env_steps_to_target'])} | {ref['env_steps_per_s']:.0f} | - "
+        f"| {ref['load_1min_at_start']:.1f} |",
+        f"| pipeline | {minutes(pipe['time_to_target_s'])} (RL "
+        f"{minutes(pipe['rl_time_to_target_s'])}) | {steps(pipe['env_steps_to_target'])} "
+        f"| {pipe['env_steps_per_s']:.0f} | {pipe['trainer_busy']:.2f} "
+        f"| {pipe['load_1min_at_start']:.1f} |",
+        "",
+        "Ratios (pipeline / reference): time to target "
+        + ("-" if r["time_to_target"] is None else f"{r['time_to_target']:.2f}x")
+        + ", RL time to target "
+        + ("-" if r["rl_time_to_target"] is None else f"{r['rl_time_to_target']:.2f}x")
+        + f", env steps/s {r['env_steps_per_s']:.2f}x. Pipeline end success "
+        f"{pipe['final_success']:.2f}, books balance: {pipe['accounted']}.",
+        "",
+        f"Command: `{result['command']}`.",
+    ]
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
