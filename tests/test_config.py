@@ -306,7 +306,7 @@ def test_save_config_round_trips_overridden_values(tmp_path):
 
     assert load_config(saved) == cfg
     written = yaml.safe_load(saved.read_text())
-    embodied_only = {"env", "rollout", "inference", "replay", "vla", "world_model"}
+    embodied_only = {"env", "rollout", "inference", "replay", "vla", "world_model", "imagination"}
     assert list(written) == [k for k in Config.model_fields if k not in embodied_only]
     assert "gamma" not in written["trainer"] and written["trainer"]["lr"] == 1e-7
     assert written["run"]["name"] == "2024"

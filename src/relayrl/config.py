@@ -592,6 +592,32 @@ class InferenceConfig(_Section):
     resources: dict[str, float] = _resources("inference-service")
 
 
+class ImaginationConfig(_Section):
+    """embodied: experience imagined in the world model (AcceRL-WM); off while
+    episodes_per_real is 0 (no world-model roles are placed)."""
+
+    episodes_per_real: int = Field(
+        0,
+        ge=0,
+        description="Imagined episodes a rollout worker plays after each real episode, each "
+        "from a real frame of its episode cache, with the policy service acting and the "
+        "world-model service predicting; 0: off.",
+    )
+    real_ratio: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="Fraction of each super-batch's env steps taken from real segments (the "
+        "rest imagined); 0: imagined only.",
+    )
+    cache_episodes: int = Field(
+        8, ge=1, description="Real episodes each rollout worker keeps to start imagination from."
+    )
+    buffer_steps: int = Field(
+        4096, ge=1, description="B_img: imagined env steps the imagined-segment buffer holds."
+    )
+
+
 class ReplayConfig(_Section):
     """embodied: the FIFO replay buffer between workers and trainer (async mode)."""
 
@@ -727,6 +753,39 @@ class WorldModelConfig(_Section):
         description="Reward added to the potential-based reward p(o') - p(o) on the step an "
         "imagined episode ends in success.",
     )
+    train_obs_every: int = Field(
+        5,
+        ge=0,
+        description="T_obs: the world-model trainer fine-tunes M_obs after every T_obs-th policy "
+        "step (with imagination on); 0: never (the pretrained M_obs stays).",
+    )
+    train_reward_every: int = Field(
+        5, ge=0, description="T_reward: the same for M_reward; 0: never."
+    )
+    train_steps: int = Field(
+        20, ge=1, description="Gradient steps of each model in one fine-tuning round."
+    )
+    batch_size: int = Field(
+        32, ge=2, description="Samples per gradient step (M_reward: half success frames)."
+    )
+    buffer_steps: int = Field(
+        20000,
+        ge=1,
+        description="B_wm: real transitions the world-model trainer keeps, newest episodes first.",
+    )
+    max_batch: int = Field(
+        16, ge=1, description="World-model service: most requests one forward pass answers."
+    )
+    max_wait_ms: float = Field(
+        5.0, ge=0, description="World-model service: flush a batch this long after its oldest."
+    )
+    replicas: int = Field(
+        1,
+        ge=1,
+        description="World-model service replicas, each a weight-sync receiver of the "
+        "world-model trainer; rollout workers are spread over them in turn.",
+    )
+    resources: dict[str, float] = _resources("world-model trainer and service")
 
     @field_validator("backend")
     @classmethod
@@ -852,6 +911,7 @@ NOT_FOR: dict[str, tuple[str, ...]] = {
         "replay",
         "vla",
         "world_model",
+        "imagination",
         "trainer.gamma",
         "trainer.lam",
         "trainer.value_coef",
@@ -931,6 +991,7 @@ class Config(_Section):
     replay: ReplayConfig = ReplayConfig()
     vla: VLAModelConfig = VLAModelConfig()
     world_model: WorldModelConfig = WorldModelConfig()
+    imagination: ImaginationConfig = ImaginationConfig()
 
     @model_validator(mode="after")
     def _embodied_defaults(self) -> Config:

@@ -20,6 +20,11 @@ and it only rebinds pointers. Without it the whole transfer happens inside the m
 ``set_weights`` does, so every request that arrives meanwhile waits for the transfer. Either way
 the staging slot is the receiver's second copy, which it holds anyway: the early drain costs no
 memory, only the CPU (or bandwidth) the transfer takes from forward passes it overlaps.
+
+What a forward pass computes is ``batch_fn`` (``act_replies``, the policy's actions, by default):
+the same batching, weight sync, tracing and books serve any model whose requests can be answered
+in batches. The world-model service is this class with ``relayrl.models.world_model``'s
+``world_model_replies`` (next frame and success probability per request).
 """
 
 from __future__ import annotations
@@ -29,10 +34,10 @@ import contextlib
 import time
 import warnings
 from collections import Counter, deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -64,9 +69,14 @@ class ActingPolicy(Protocol):
         ...
 
 
+BatchFn = Callable[[torch.nn.Module, list[Any], bool, torch.Generator, int], list[Any]]
+"""``batch_fn(model, requests, greedy, generator, version) -> replies``: one forward pass of
+``model`` on a batch of requests, one reply per request, each carrying ``version``."""
+
+
 @dataclass
 class _Request:
-    obs: Observation
+    obs: Any  # an Observation for the policy; what batch_fn takes for another model
     future: asyncio.Future | None  # None for act_batch, which answers directly
     arrived: float  # time.monotonic()
 
@@ -81,9 +91,8 @@ class InferenceService:
     ``threads`` sets torch's intra-op threads for the forward pass (None leaves torch's setting).
     ``sync_timeout_s`` bounds a weight-sync receive (see ``open_sync``). ``early_drain`` runs
     weight-sync transfers beside forward passes, which then wait only for the swap (see above).
+    ``batch_fn`` answers a batch (see ``BatchFn``); ``name`` labels its trace rows.
     """
-
-    name = "inference_service"
 
     def __init__(
         self,
@@ -96,6 +105,8 @@ class InferenceService:
         sync_timeout_s: float = 60.0,
         early_drain: bool = True,
         seed: int = 0,
+        batch_fn: BatchFn | None = None,
+        name: str = "inference_service",
     ):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
@@ -104,6 +115,8 @@ class InferenceService:
         if threads is not None:
             torch.set_num_threads(threads)
         self.policy = policy.eval()
+        self.batch_fn = batch_fn or act_replies
+        self.name = name
         self.max_batch = max_batch
         self.max_wait_s = max_wait_ms / 1000.0
         self.version = version
@@ -360,10 +373,10 @@ class InferenceService:
                 if not request.future.done():  # the caller may have been cancelled
                     request.future.set_result(reply)
 
-    async def _forward(self, requests: list[_Request], *, greedy: bool) -> list[ActReply]:
+    async def _forward(self, requests: list[_Request], *, greedy: bool) -> list[Any]:
         async with self._model_lock:
             start, began = time.monotonic(), time.time()
-            version, actions, logprobs, values = await asyncio.get_running_loop().run_in_executor(
+            version, replies = await asyncio.get_running_loop().run_in_executor(
                 self._executor, self._serve, [r.obs for r in requests], greedy
             )
             end = time.monotonic()
@@ -377,30 +390,43 @@ class InferenceService:
             self._queue_s += start - r.arrived
             self._latency_s += end - r.arrived
             self._latencies.append(end - r.arrived)
-        return [
-            ActReply(actions[i], logprobs[i], float(values[i]), version)
-            for i in range(len(requests))
-        ]
+        if len(replies) != len(requests):
+            raise ValueError(f"batch_fn gave {len(replies)} replies to {len(requests)} requests")
+        return replies
 
-    def _serve(
-        self, observations: list[Observation], greedy: bool
-    ) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
-        """One forward pass on weights that no swap changes meanwhile: (their version, actions,
-        logprobs, values), as ``_run_policy``."""
+    def _serve(self, payloads: list[Any], greedy: bool) -> tuple[int, list[Any]]:
+        """One forward pass on weights that no swap changes meanwhile: (their version, the
+        replies ``batch_fn`` gives)."""
         if self.receiver is None:
-            return self.version, *_run_policy(self.policy, observations, greedy, self.generator)
+            version = self.version
+            return version, self.batch_fn(self.policy, payloads, greedy, self.generator, version)
         with self.receiver.serving() as received:
             # A receive's swap sets the receiver's version with the weights, atomically;
             # set_weights and the initial weights set only ours (under the model lock, which
             # this forward holds). Versions never go backwards, so the newer is what serves.
             version = max(received, self.version)
-            return version, *_run_policy(self.policy, observations, greedy, self.generator)
+            return version, self.batch_fn(self.policy, payloads, greedy, self.generator, version)
 
 
 def _fail(requests: list[_Request], err: Exception) -> None:
     for request in requests:
         if not request.future.done():
             request.future.set_exception(err)
+
+
+def act_replies(
+    policy: torch.nn.Module,
+    observations: list[Observation],
+    greedy: bool,
+    generator: torch.Generator,
+    version: int,
+) -> list[ActReply]:
+    """The policy's ``BatchFn``: one ``ActReply`` (actions, log-probs, value) per observation."""
+    actions, logprobs, values = _run_policy(policy, observations, greedy, generator)
+    return [
+        ActReply(actions[i], logprobs[i], float(values[i]), version)
+        for i in range(len(observations))
+    ]
 
 
 def _run_policy(

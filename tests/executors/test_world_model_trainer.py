@@ -1,0 +1,216 @@
+"""The world-model trainer keeps B_wm's books, trains each model on its own schedule, learns,
+checkpoints, and publishes both models as one version to an inference service that answers
+imagination requests with them."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+from relayrl.config import load_config
+from relayrl.data.trajectories import Episode
+from relayrl.executors.inference_service import InferenceService
+from relayrl.executors.world_model_trainer import RealEpisodes, WorldModelTrainer
+from relayrl.models.world_model import (
+    ObsModelConfig,
+    SuccessModel,
+    SuccessModelConfig,
+    build_obs_model,
+)
+from relayrl.models.world_model.serving import (
+    WMReply,
+    WMRequest,
+    WorldModel,
+    world_model_replies,
+)
+
+SIZE, SQUARE, K = 16, 4, 2
+MOVES = np.array([[-2, 0], [2, 0], [0, -2], [0, 2]])  # action tokens 0..3: up, down, left, right
+
+
+def square(pos: np.ndarray) -> np.ndarray:
+    """uint8 [1, SIZE, SIZE, 3]: a white square at ``pos``."""
+    frame = np.zeros((1, SIZE, SIZE, 3), np.uint8)
+    frame[0, pos[0] : pos[0] + SQUARE, pos[1] : pos[1] + SQUARE] = 255
+    return frame
+
+
+def episode(steps: int, seed: int, success: bool = False) -> Episode:
+    """The square moved by ``steps`` random actions; ``success`` labels its last frame."""
+    rng = np.random.default_rng(seed)
+    pos = rng.integers(0, SIZE - SQUARE + 1, 2)
+    actions = rng.integers(0, 4, (steps, 1))
+    frames = [square(pos)]
+    for a in actions[:, 0]:
+        pos = np.clip(pos + MOVES[a], 0, SIZE - SQUARE)
+        frames.append(square(pos))
+    return Episode(
+        frames=np.stack(frames),
+        actions=actions.astype(np.int64),
+        rewards=np.zeros(steps, np.float32),
+        instruction="go to the square",
+        task="toy",
+        seed=seed,
+        success=success,
+        terminated=success,
+        truncated=not success,
+    )
+
+
+def make_trainer(*overrides: str) -> WorldModelTrainer:
+    cfg = load_config(
+        None,
+        [
+            "workload=embodied",
+            "world_model.backend=deterministic",
+            "world_model.channels=16",
+            "world_model.cond_dim=32",
+            f"world_model.context_frames={K}",
+            "world_model.lr=3e-3",
+            "world_model.batch_size=16",
+            *overrides,
+        ],
+    )
+    obs = ObsModelConfig(
+        backend="deterministic",
+        image_size=SIZE,
+        context_frames=K,
+        action_vocab=4,
+        channels=16,
+        cond_dim=32,
+    )
+    reward = SuccessModelConfig(image_size=SIZE, channels=8, hidden=16, instruction_tokens=4)
+    return WorldModelTrainer(cfg, obs, reward)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_b_wm_keeps_the_newest_episodes_within_capacity_and_counts_the_rest():
+    buffer = RealEpisodes(12, seed=0)
+    for steps, seed in ((5, 0), (7, 1), (4, 2), (13, 3)):
+        buffer.add(episode(steps, seed))
+    # 5 + 7 fill it; 4 evicts the 5-step episode; 13 is longer than the whole buffer.
+    assert [e.steps for e in buffer.episodes] == [7, 4] and buffer.steps == 11
+    assert (buffer.added_steps, buffer.evicted_steps) == (29, 18)
+    batch = buffer.transitions(6, K)
+    assert tuple(batch.context.shape) == (6, K, 1, SIZE, SIZE, 3)
+    model = SuccessModel(SuccessModelConfig(image_size=SIZE, channels=8, hidden=16))
+    assert buffer.success_labels(4, model) is None  # no success frame yet
+    buffer.add(episode(3, 4, success=True))
+    found = buffer.success_labels(4, model)
+    assert found.success.tolist() == [True, True, False, False]
+    # The success frames drawn are the successful episode's last frame.
+    assert torch.equal(found.frames[0], torch.from_numpy(buffer.episodes[-1].frames[-1]))
+
+
+def test_each_model_trains_on_its_own_schedule_and_the_version_follows():
+    trainer = make_trainer(
+        "world_model.train_obs_every=2",
+        "world_model.train_reward_every=3",
+        "world_model.train_steps=2",
+    )
+    empty = trainer.train(2)  # nothing to learn from yet
+    assert not empty.trained_obs and empty.version == 0
+    trainer.add_episodes([episode(8, s, success=s == 0) for s in range(4)])
+    done = {step: trainer.train(step) for step in range(1, 7)}
+    assert [s for s, r in done.items() if r.trained_obs] == [2, 4, 6]
+    assert [s for s, r in done.items() if r.trained_reward] == [3, 6]
+    assert [r.version for r in done.values()] == [0, 1, 2, 3, 3, 4]
+    assert trainer.stats()["updates"] == {"obs": 6, "reward": 4}
+    assert (
+        "world_model/loss_obs" in done[6].metrics and "world_model/loss_reward" in done[6].metrics
+    )
+
+
+def test_rounds_of_fine_tuning_learn_the_dynamics():
+    trainer = make_trainer("world_model.train_reward_every=0", "world_model.train_steps=25")
+    trainer.add_episodes([episode(20, s) for s in range(20)])
+    held = RealEpisodes(10_000, seed=1)
+    held.add(episode(40, 99))
+    batch = held.transitions(64, K)
+
+    def mse() -> float:
+        with torch.no_grad():
+            predicted = trainer.model.obs.predict(batch.context, batch.actions).float()
+        return float(((predicted - batch.next_frame.float()) / 255).square().mean())
+
+    copy_last = float(
+        ((batch.context[:, -1].float() - batch.next_frame.float()) / 255).square().mean()
+    )
+    before = mse()
+    for step in range(1, 9):
+        trainer.train(step)
+    assert mse() < 0.3 * min(before, copy_last)
+
+
+def test_state_dict_restores_models_optimizers_and_b_wm():
+    every = ("world_model.train_obs_every=1", "world_model.train_steps=2")
+    trainer = make_trainer(*every)
+    trainer.add_episodes([episode(6, s, success=s == 1) for s in range(3)])
+    trainer.train(1)
+    other = make_trainer(*every, "run.seed=5")
+    other.load_state_dict(trainer.state_dict())
+    assert other.version == trainer.version == 1 and other.buffer.steps == 18
+    for key, value in trainer.model.state_dict().items():
+        assert torch.equal(other.model.state_dict()[key], value)
+    a, b = trainer.train(2), other.train(2)  # same state, same draws: the same next round
+    assert a.metrics == b.metrics
+
+
+def test_published_weights_serve_imagination_requests_in_batches():
+    trainer = make_trainer("world_model.train_obs_every=1", "world_model.train_steps=3")
+    trainer.add_episodes([episode(10, s, success=s == 0) for s in range(3)])
+    trainer.train(1)
+    fresh = WorldModel(
+        build_obs_model(trainer.model.obs.cfg), SuccessModel(trainer.model.reward.cfg)
+    )
+    address = trainer.open_sync("shm", ["world_model_service"])
+    ep = episode(5, 7)
+    requests = [
+        WMRequest(ep.frames[t : t + K], ep.actions[t : t + K], "go to the square") for t in (0, 2)
+    ] + [WMRequest(ep.frames[:K], None, "go to the square")]
+
+    async def main() -> list[WMReply]:
+        service = InferenceService(
+            fresh,
+            max_batch=3,
+            max_wait_ms=50,
+            batch_fn=world_model_replies,
+            name="world_model_service",
+        )
+        await service.open_sync([address], "world_model_service")
+        await service.connect_sync()
+        await service.update_weights(trainer.publish())
+        replies = await asyncio.gather(*(service.act(r) for r in requests))
+        stats = await service.stats()
+        await service.close()
+        return replies, stats
+
+    try:
+        replies, stats = asyncio.run(main())
+    finally:
+        trainer.close_sync()
+    assert stats["forwards"] == 1 and stats["requests"] == 3  # one batch answered all three
+    assert [r.version for r in replies] == [1, 1, 1]
+    with torch.no_grad():
+        expected = trainer.model.obs.predict(
+            torch.from_numpy(np.stack([r.context for r in requests[:2]])),
+            torch.from_numpy(np.stack([r.actions for r in requests[:2]])),
+        ).numpy()
+        ids = trainer.model.reward.tokenize(["go to the square"])
+        start_prob = float(
+            trainer.model.reward.success_prob(torch.from_numpy(ep.frames[K - 1 : K]), ids)
+        )
+    assert np.array_equal(replies[0].frame, expected[0]) and np.array_equal(
+        replies[1].frame, expected[1]
+    )
+    assert replies[2].frame is None and replies[2].prob == pytest.approx(start_prob, abs=1e-6)
