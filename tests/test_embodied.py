@@ -233,3 +233,37 @@ def test_the_acce_preset_runs_async_and_trains_its_value_head(ray_session, tmp_p
     check_books(summary)
     changed = changed_parameters(summary, cfg.run.seed)
     assert any(name.startswith("value_head.") for name in changed)
+
+
+def test_imagination_trains_on_imagined_segments_and_keeps_both_books(ray_session, tmp_path):
+    """AcceRL-WM on the small run: the workers imagine after each real episode, the world-model
+    trainer fine-tunes both models every step and its replicas serve the new versions; real and
+    imagined env steps each balance their books, and the trace has the world-model rows."""
+    cfg = tiny_config(
+        *SMALL,
+        "mode=async",
+        "steps=4",
+        "world_model.channels=8",
+        "world_model.cond_dim=16",
+        "world_model.reward_hidden=16",
+        "world_model.denoising_steps=2",
+        "world_model.max_steps=4",
+        "world_model.train_obs_every=1",
+        "world_model.train_reward_every=1",
+        "world_model.train_steps=2",
+        "world_model.batch_size=4",
+        "imagination.episodes_per_real=2",
+        "imagination.real_ratio=0.5",
+        "imagination.buffer_steps=64",
+    )
+    summary = train(cfg, tmp_path / "run")
+    assert summary["status"] == "finished" and summary["steps"] == 4
+    check_books(summary)
+    imagined = summary["imagined_samples"]
+    assert imagined["accounted"] and imagined["trained"] > 0
+    assert imagined["generated"] == imagined["by_live_workers"] > 0
+    assert imagined["episodes"] > 0
+    wm = summary["world_model"]
+    assert wm["version"] >= 1 and wm["updates"]["obs"] >= 2 and wm["b_wm"]["added_steps"] > 0
+    assert wm["service"]["versions"] == [wm["version"]] and wm["service"]["requests"] > 0
+    assert {"world_model_trainer", "world_model_service"} <= set(summary["perf"]["busy"])

@@ -1019,6 +1019,11 @@ class Config(_Section):
                     f"{key}: does not apply to workload={self.workload!r} (only "
                     f"workload={other!r} reads it); remove it or set workload={other}"
                 )
+        if self.imagination.episodes_per_real and self.mode != "async":
+            raise ValueError(
+                f"imagination.episodes_per_real={self.imagination.episodes_per_real} needs "
+                f"mode=async (got mode={self.mode}): workers imagine in their own loops"
+            )
         lag = self.inference.min_lag
         if self.max_staleness < lag:
             raise ValueError(

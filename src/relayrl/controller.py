@@ -19,6 +19,7 @@ summary); what a workload owns (placement, evaluation, its summary sections) is 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -346,20 +347,23 @@ async def run_streaming(
     runs.start()
     trainer_idle = tally.idle[w.trainer.names[0]]
     version, occupancy = (await w.trainer[0].stats.remote())["version"], []
-    batch_ref = w.replay_buffer.get.remote(cfg.replay.batch_steps, version)
+    batch_refs = w.fetch(version)  # the real part, and with imagination the imagined one
     while tally.steps < cfg.steps:
         start = time.time()
         # Wait for the super-batch without pulling it here; the trainer ranks take it directly.
-        ready = asyncio.to_thread(ray.wait, [batch_ref], fetch_local=False)
+        ready = asyncio.to_thread(
+            ray.wait, batch_refs, num_returns=len(batch_refs), fetch_local=False
+        )
         await _first_or_raise(ready, [runs.watch])
         trainer_idle.wait("replay", start, time.time())
-        segments_ref = batch_ref
-        batch_ref = w.replay_buffer.get.remote(cfg.replay.batch_steps, version)
-        result = await _first_or_raise(_train_step(w.trainer, segments_ref), [runs.watch])
+        segments_refs = batch_refs
+        batch_refs = w.fetch(version)
+        result = await _first_or_raise(_train_step(w.trainer, *segments_refs), [runs.watch])
         version = result.version
         if result.stepped:
             async with runs.recovery.lock:
                 sync.publish()
+        result.metrics |= await w.after_step(tally.steps + 1)
         result.metrics |= await w.episode_feedback(tally.steps + 1)
         occupancy.append((await w.replay_buffer.stats.remote())["occupancy"])
         result.metrics["replay/occupancy"] = occupancy[-1]
@@ -372,13 +376,19 @@ async def run_streaming(
             runs.start()
             ckpt.after()
     await runs.stop()
-    # No more puts: closing the buffer ends the fetch still waiting, so what it took is exact.
-    await w.replay_buffer.close.remote()
-    try:
-        prefetched = sum(len(s) for s in await batch_ref)
-    except ReplayBufferClosed:
-        prefetched = 0
-    return {"prefetched": prefetched, "occupancy": occupancy}
+    await w.finish_world_model()
+    # No more puts: closing the buffers ends the fetches still waiting, so what they took is
+    # exact.
+    await asyncio.gather(*(b.close.remote() for b in w.buffers()))
+    fetched: list = []
+    for ref in batch_refs:
+        with contextlib.suppress(ReplayBufferClosed):
+            fetched += await ref
+    return {
+        "prefetched": sum(len(s) for s in fetched if not s.imagined),
+        "prefetched_imagined": sum(len(s) for s in fetched if s.imagined),
+        "occupancy": occupancy,
+    }
 
 
 LOOPS: dict[tuple[str, str], Callable[..., Awaitable[dict]]] = {
@@ -389,10 +399,10 @@ LOOPS: dict[tuple[str, str], Callable[..., Awaitable[dict]]] = {
 }
 
 
-async def _train_step(trainer: Group, batch_ref: Any) -> StepResult:
-    """Every trainer rank trains on its share of the batch; one result for the group. A rank
-    that died stops the run, naming it."""
-    return await _trained(trainer, [r.train_step.remote(batch_ref) for r in trainer])
+async def _train_step(trainer: Group, *batch_refs: Any) -> StepResult:
+    """Every trainer rank trains on its share of the batch (its parts, in order); one result for
+    the group. A rank that died stops the run, naming it."""
+    return await _trained(trainer, [r.train_step.remote(*batch_refs) for r in trainer])
 
 
 async def _trained(trainer: Group, calls: list) -> StepResult:

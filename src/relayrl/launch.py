@@ -570,6 +570,27 @@ class BufferSink:
         ray.get(self.buffer.put_many.remote(segments))
 
 
+class WorldModelClient:
+    """What a rollout worker's imagination calls: a world-model service replica, every request
+    of a step in flight at once (the replica batches them)."""
+
+    def __init__(self, service: Any):
+        self.service = service
+
+    def __call__(self, requests: list[Any]) -> list[Any]:
+        return ray.get([self.service.act.remote(r) for r in requests])
+
+
+class EpisodeSink:
+    """Where a rollout worker hands its real episodes: the world-model trainer's ``B_wm``."""
+
+    def __init__(self, trainer: Any):
+        self.trainer = trainer
+
+    def __call__(self, episodes: list[Any]) -> None:
+        ray.get(self.trainer.add_episodes.remote(episodes))
+
+
 def vla_config(cfg: Config, views: int, dims: int, vocab: int) -> VLAConfig:
     """The VLA policy's sizes: ``cfg.vla`` plus what the env decides (views, action tokens)."""
     return VLAConfig(

@@ -160,6 +160,10 @@ class Segment:
     # its env steps so far (this segment's included) and how many of them env errors dropped.
     worker_env_steps: int = 0
     worker_dropped_error: int = 0
+    # Imagined in the world model (not stepped in the env), and the world-model version that
+    # predicted its frames and rewards (-1 for a real segment).
+    imagined: bool = False
+    wm_version: int = -1
 
     def __len__(self) -> int:
         return int(self.actions.shape[0])
@@ -181,6 +185,10 @@ class StepResult:
     # LLM: completion tokens of the trained and of the dropped samples (the length bias of drops)
     trained_tokens: int = 0
     dropped_tokens: int = 0
+    # Embodied with imagination: the imagined env steps, kept apart from the real ones above.
+    imagined_received: int = 0
+    imagined_trained: int = 0
+    imagined_dropped_stale: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
 
     @classmethod
@@ -200,5 +208,8 @@ class StepResult:
             skipped_nonfinite=first.skipped_nonfinite,
             trained_tokens=sum(r.trained_tokens for r in results),
             dropped_tokens=sum(r.dropped_tokens for r in results),
+            imagined_received=sum(r.imagined_received for r in results),
+            imagined_trained=sum(r.imagined_trained for r in results),
+            imagined_dropped_stale=sum(r.imagined_dropped_stale for r in results),
             metrics=first.metrics,
         )

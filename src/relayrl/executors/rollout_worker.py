@@ -19,6 +19,11 @@ steps of its unfinished segment are counted as ``dropped_error_steps``, the env 
 anew, and the worker carries on. Every env step is accounted for:
 ``env_steps == segment_steps + dropped_error_steps + open_steps`` (open steps of every env).
 
+With imagination (``set_imagination``, AcceRL-WM) the worker also keeps each episode's frames and
+actions, and after each real episode of ``run`` hands it to its ``Imaginer``
+(``relayrl.executors.imagination``), which plays imagined episodes through the same service and
+puts their segments into ``B_img``; the worker waits for that round, as AcceRL's workers do.
+
 The worker's books leave it with every request for an action (``run``: its id and ``env_steps``)
 and every answer to a step (``Stepped.env_steps``), besides the segments it closes: a controller
 then knows how many steps a worker that died took after the last segment it closed (all but a
@@ -42,7 +47,9 @@ from typing import Any
 
 import numpy as np
 
+from relayrl.data.trajectories import Episode
 from relayrl.envs.embodied import EmbodiedEnv, Observation, StepResult
+from relayrl.executors.imagination import Imaginer
 from relayrl.types import ActReply, Segment
 
 
@@ -97,6 +104,11 @@ class _Slot:
     instruction: str = ""
     episode_return: float = 0.0
     length: int = 0
+    seed: int = 0
+    # The whole episode, kept only with imagination (B_wm and the imagination cache take it).
+    frames: list[np.ndarray] = field(default_factory=list)
+    actions: list[np.ndarray] = field(default_factory=list)
+    rewards: list[float] = field(default_factory=list)
 
 
 class RolloutWorker:
@@ -161,6 +173,12 @@ class RolloutWorker:
         }
         self._busy_s = 0.0
         self._wait_s = 0.0
+        self.imaginer: Imaginer | None = None
+        self._finished: list[Episode] = []  # with imagination: episodes ended, not imagined from
+
+    def set_imagination(self, imaginer: Imaginer) -> None:
+        """Imagine after every real episode of ``run`` from now on (see the module docstring)."""
+        self.imaginer = imaginer
 
     def observe(self) -> Observation:
         """The observation to act on, starting a new episode first if the last one ended."""
@@ -219,6 +237,9 @@ class RolloutWorker:
                     for segment in closed:
                         sink(segment)
                 emitted += len(closed)
+                while self.imaginer is not None and self._finished:
+                    episode = self._finished.pop(0)
+                    self.imaginer.after_episode(episode, service, *asked)
         finally:
             self._stop.clear()
             if hasattr(service, "close"):
@@ -242,8 +263,10 @@ class RolloutWorker:
         episodes and successes, env errors and the steps they cost, recent error messages, steps
         of the open segment, busy seconds (in env reset/step) and wait seconds (on the service)."""
         with self._lock:
+            imagined = self.imaginer.counts if self.imaginer is not None else {}
             return {
                 **self._counts,
+                "imagined": dict(imagined),
                 "open_steps": self._open_steps(),
                 "tasks": {task: dict(counts) for task, counts in self._tasks.items()},
                 "last_errors": list(self._errors),
@@ -263,6 +286,7 @@ class RolloutWorker:
                 "episode": self._episode,
                 "rng": self._rng.getstate(),
                 "task_sampler": _sampler_state(self.task_sampler),
+                "imaginer": self.imaginer.state_dict() if self.imaginer is not None else None,
             }
 
     def load_state_dict(self, state: dict) -> None:
@@ -275,6 +299,9 @@ class RolloutWorker:
             self._rng.setstate(state["rng"])
             if state.get("task_sampler") is not None:
                 self.task_sampler.load_state_dict(state["task_sampler"])
+            if self.imaginer is not None and state.get("imaginer") is not None:
+                self.imaginer.load_state_dict(state["imaginer"])
+            self._finished.clear()
             for slot in self.slots:
                 slot.obs, slot.open = None, None
 
@@ -345,6 +372,10 @@ class RolloutWorker:
         seg.versions.append(version)
         seg.images.append(_copy_image(result.obs))
         seg.steps.append(result.obs.step)
+        if self.imaginer is not None:
+            slot.frames.append(seg.images[-1])
+            slot.actions.append(tokens)
+            slot.rewards.append(float(result.reward))
         slot.episode_return += float(result.reward)
         slot.length += 1
         done = result.terminated or result.truncated
@@ -353,6 +384,8 @@ class RolloutWorker:
             closed.append(self._close_segment(slot, seg, result, done))
             slot.open = None if done else _OpenSegment.starting_at(result.obs)
         if done:
+            if self.imaginer is not None:
+                self._finished.append(self._episode_of(slot, result))
             self._finish_episode(slot, result.success)
         else:
             slot.obs = result.obs
@@ -361,8 +394,9 @@ class RolloutWorker:
     def _reset(self, slot: _Slot) -> None:
         task = self.task_sampler() if self.task_sampler is not None else None
         start = time.perf_counter()
+        seed = self._rng.randrange(2**31)
         try:
-            obs = slot.env.reset(task=task, seed=self._rng.randrange(2**31))
+            obs = slot.env.reset(task=task, seed=seed)
         except Exception as err:  # crash containment, as in step
             self._on_env_error(slot, err, "reset")
             return
@@ -374,6 +408,24 @@ class RolloutWorker:
         slot.episode_return, slot.length = 0.0, 0
         slot.obs = obs
         slot.open = _OpenSegment.starting_at(obs)
+        slot.seed = seed
+        if self.imaginer is not None:
+            slot.frames, slot.actions, slot.rewards = [slot.open.images[0]], [], []
+
+    def _episode_of(self, slot: _Slot, result: StepResult) -> Episode:
+        """The slot's episode that ``result`` ended, as ``B_wm`` and the imagination cache keep
+        episodes."""
+        return Episode(
+            frames=np.stack(slot.frames),
+            actions=np.stack(slot.actions),
+            rewards=np.asarray(slot.rewards, dtype=np.float32),
+            instruction=slot.instruction,
+            task=slot.task,
+            seed=slot.seed,
+            success=bool(result.success),
+            terminated=bool(result.terminated),
+            truncated=bool(result.truncated),
+        )
 
     def _close_segment(
         self, slot: _Slot, seg: _OpenSegment, result: StepResult, done: bool

@@ -178,6 +178,8 @@ class VLATrainer(TrainerCore):
         )
         self.generator = torch.Generator().manual_seed(cfg.run.seed + 5)
         self.adv_stats = Welford()  # every earlier step's raw advantages (adv_norm=lagged_welford)
+        self.imagined_trained = 0  # imagined env steps (world model), booked apart from the real
+        self.imagined_dropped_stale = 0
 
     def advantages(self, segments: list[Segment]) -> dict[str, Any]:
         """Per-step training samples of ``segments``, in segment-then-step order: images, steps,
@@ -228,11 +230,12 @@ class VLATrainer(TrainerCore):
             parts.append(self._samples(fresh[:1]))
         return _concat(parts), first, own
 
-    def train_step(self, segments: list[Segment]) -> StepResult:
-        """Drop stale segments, update on the rest, bump the version."""
+    def train_step(self, segments: list[Segment], *more: list[Segment]) -> StepResult:
+        """Drop stale segments, update on the rest, bump the version. ``more`` are further
+        parts of the super-batch (the imagined segments beside the real ones)."""
         with self.tracer.span("train_step", self.version):
             faults.reach("train_step")
-            return self._train_step(segments)
+            return self._train_step([s for part in (segments, *more) for s in part])
 
     def _train_step(self, segments: list[Segment]) -> StepResult:
         start = time.perf_counter()
@@ -240,10 +243,15 @@ class VLATrainer(TrainerCore):
         fresh = [s for s in segments if int(s.versions.min()) >= oldest_allowed]
         books = segments[parallel.share(len(segments), self.rank, self.world)]
         kept = [s for s in books if int(s.versions.min()) >= oldest_allowed]
-        received = sum(len(s) for s in books)
-        trained = sum(len(s) for s in kept)
+        # The real and the imagined env steps are kept in books of their own.
+        received = sum(len(s) for s in books if not s.imagined)
+        trained = sum(len(s) for s in kept if not s.imagined)
+        imagined_received = sum(len(s) for s in books if s.imagined)
+        imagined_trained = sum(len(s) for s in kept if s.imagined)
         self.dropped_stale += received - trained
         self.trained += trained
+        self.imagined_trained += imagined_trained
+        self.imagined_dropped_stale += imagined_received - imagined_trained
         kept_versions = np.concatenate([s.versions for s in kept]) if kept else np.zeros(0, int)
         skipped = self.skipped_nonfinite
         result = StepResult(
@@ -256,6 +264,9 @@ class VLATrainer(TrainerCore):
                 self.version - kept_versions, minlength=self.cfg.max_staleness + 1
             ).tolist(),
             train_s=0.0,
+            imagined_received=imagined_received,
+            imagined_trained=imagined_trained,
+            imagined_dropped_stale=imagined_received - imagined_trained,
         )
         if fresh:
             lag = self.version - np.concatenate([s.versions for s in fresh])
@@ -475,6 +486,7 @@ class VLATrainer(TrainerCore):
         return super().state_dict() | {
             "generator": self.generator.get_state(),
             "adv_stats": self.adv_stats.state_dict(),
+            "imagined": (self.imagined_trained, self.imagined_dropped_stale),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -484,3 +496,11 @@ class VLATrainer(TrainerCore):
         self.generator.set_state(state["generator"])
         if "adv_stats" in state:
             self.adv_stats.load_state_dict(state["adv_stats"])
+        self.imagined_trained, self.imagined_dropped_stale = state.get("imagined", (0, 0))
+
+    def stats(self) -> dict[str, float]:
+        """The core's counters plus the imagined env steps trained and dropped stale."""
+        return super().stats() | {
+            "imagined_trained": self.imagined_trained,
+            "imagined_dropped_stale": self.imagined_dropped_stale,
+        }

@@ -2,6 +2,17 @@
 replicas for actions; segments reach the trainer group (sync: collected in lockstep; async:
 streamed through the replay buffer), which recomputes values and GAE and applies GIPO.
 
+With ``imagination.episodes_per_real > 0`` (AcceRL-WM, async mode) three more roles are placed: the
+``world_model_trainer`` (M_obs and M_reward, and ``B_wm``), ``world_model_service`` replicas (an
+``InferenceService`` answering imagination requests) and the ``imagined_buffer`` (``B_img``, a
+replay buffer of imagined segments). Each worker hands its real episodes to ``B_wm`` and imagines
+after each one (``relayrl.executors.imagination``); every super-batch takes
+``imagination.real_ratio`` of its env steps from the replay buffer and the rest from ``B_img``;
+after every policy step the world-model trainer runs its round (T_obs, T_reward) beside the loop
+and its new version is published to the world-model replicas once the round ends. Imagined env
+steps keep books of their own, as real ones do: generated (put into ``B_img``) = trained +
+dropped (stale, overflow) + in flight (resident, prefetched).
+
 Samples are env steps: every step a worker took is trained, dropped (stale, evicted from a full
 buffer, or lost with a crashed env's unfinished segment) or still in flight (resident in the
 buffer, fetched for a step that never ran, or in a worker's open segment). A worker that dies
@@ -23,29 +34,39 @@ from relayrl.algorithms.dwr import DynamicWeightedResampler
 from relayrl.channels.act_socket import SocketServiceClient
 from relayrl.config import Config
 from relayrl.envs.embodied import EmbodiedEnv
+from relayrl.executors.imagination import ImaginationSettings, Imaginer
 from relayrl.executors.inference_service import InferenceService
 from relayrl.executors.replay_buffer import ReplayBuffer
 from relayrl.executors.rollout_worker import RolloutWorker
 from relayrl.executors.vla_trainer import VLATrainer
+from relayrl.executors.world_model_trainer import WorldModelTrainer
 from relayrl.launch import (
+    BufferSink,
+    EpisodeSink,
     Group,
     Placement,
     ServiceClient,
     TaskSampler,
+    WorldModelClient,
     build_env,
+    connect_weight_sync,
     form_trainer_group,
     publish_weights,
     restore,
     set_task_weights,
     snapshot,
     vla_config,
+    world_model_configs,
 )
 from relayrl.models.vla import VLAPolicy
+from relayrl.models.world_model import SuccessModel, build_obs_model
+from relayrl.models.world_model.serving import WorldModel, world_model_replies
 from relayrl.observability.metrics import MetricsLog, RunTally, say
 from relayrl.recovery import DEATHS, Recovery, alive
 from relayrl.types import Segment
 
 SERVICE_SEED = 2 * 10**6  # inference replica i samples actions from seed run.seed + this + i
+WM_SEED = 3 * 10**6  # world-model replica i, and worker i's imagination, from run.seed + this + i
 
 
 class EmbodiedWorkload:
@@ -70,6 +91,13 @@ class EmbodiedWorkload:
         self.recovery: Recovery | None = None  # set once weight sync is connected
         self.run_dir = None  # set by relayrl.job.train
         self.evaluators = Group("evaluator", [])
+        # Imagination (AcceRL-WM): empty unless imagination.episodes_per_real > 0.
+        self.wm_trainer = Group("world_model_trainer", [])
+        self.wm_services = Group("world_model_service", [])
+        self.imagined_buffer: Any = None
+        self.wm_sync: Any = None
+        self.wm_round: Any = None  # the world-model trainer's round in progress (a ref)
+        self.wm_version = 0  # the world-model version the replicas were last handed
         greedy = "greedy" if cfg.env.eval_greedy else "sampled"
         self.legend = {"eval_label": f"evaluation success ({greedy})"}
 
@@ -96,16 +124,21 @@ class EmbodiedWorkload:
         self.tasks = tasks
         vla = vla_config(cfg, views, space.dims, space.vocab)
         ranks, replicas = cfg.trainer.ranks, cfg.inference.replicas
-        self.placement = Placement(
-            cfg,
-            {
-                "trainer": (ranks, cfg.trainer.resources),
-                "replay_buffer": (1, cfg.trainer.resources),
-                "inference_service": (replicas, cfg.inference.resources),
-                "rollout_worker": (cfg.rollout.workers, cfg.rollout.resources),
-                "evaluator": (cfg.env.eval_workers, cfg.rollout.resources),
-            },
-        )
+        roles = {
+            "trainer": (ranks, cfg.trainer.resources),
+            "replay_buffer": (1, cfg.trainer.resources),
+            "inference_service": (replicas, cfg.inference.resources),
+            "rollout_worker": (cfg.rollout.workers, cfg.rollout.resources),
+            "evaluator": (cfg.env.eval_workers, cfg.rollout.resources),
+        }
+        if self.imagining:
+            wm = cfg.world_model
+            roles |= {
+                "world_model_trainer": (1, wm.resources),
+                "world_model_service": (wm.replicas, wm.resources),
+                "imagined_buffer": (1, cfg.trainer.resources),
+            }
+        self.placement = Placement(cfg, roles)
         at = self.placement.options
         self.trainer = Group(
             "trainer",
@@ -132,6 +165,74 @@ class EmbodiedWorkload:
         )
         self.choice = TaskChoice(cfg, tasks)
         form_trainer_group(self.trainer)
+        if self.imagining:
+            self._place_world_model(views, space.dims, space.vocab)
+
+    @property
+    def imagining(self) -> bool:
+        """Whether the run imagines (``imagination.episodes_per_real > 0``)."""
+        return self.cfg.imagination.episodes_per_real > 0
+
+    def _place_world_model(self, views: int, dims: int, vocab: int) -> None:
+        """The world-model trainer, its service replicas and ``B_img``; every rollout worker gets
+        its imagination (its replica, ``B_img``, ``B_wm``)."""
+        cfg, at = self.cfg, self.placement.options
+        wm = cfg.world_model
+        obs_cfg, reward_cfg = world_model_configs(cfg, views, dims, vocab)
+        self.wm_trainer = Group(
+            "world_model_trainer",
+            [
+                ray.remote(WorldModelTrainer)
+                .options(max_concurrency=2, **at("world_model_trainer", 0))
+                .remote(cfg, obs_cfg, reward_cfg)
+            ],
+        )
+        self.wm_services = Group(
+            "world_model_service",
+            [
+                ray.remote(InferenceService)
+                .options(**at("world_model_service", i))
+                .remote(
+                    WorldModel(build_obs_model(obs_cfg), SuccessModel(reward_cfg)),
+                    max_batch=wm.max_batch,
+                    max_wait_ms=wm.max_wait_ms,
+                    threads=cfg.ray.threads_per_executor,
+                    sync_timeout_s=cfg.sync.timeout_s,
+                    seed=cfg.run.seed + WM_SEED + i,
+                    batch_fn=world_model_replies,
+                    name="world_model_service",
+                )
+                for i in range(wm.replicas)
+            ],
+        )
+        self.imagined_buffer = (
+            ray.remote(ReplayBuffer)
+            .options(max_concurrency=4, **at("imagined_buffer", 0))
+            .remote(cfg.imagination.buffer_steps, max_staleness=cfg.max_staleness)
+        )
+        settings = ImaginationSettings(
+            episodes_per_real=cfg.imagination.episodes_per_real,
+            cache_episodes=cfg.imagination.cache_episodes,
+            context_frames=wm.context_frames,
+            threshold=wm.threshold,
+            max_steps=wm.max_steps,
+            terminal_reward=wm.terminal_reward,
+            segment_len=cfg.rollout.segment_len,
+        )
+        ray.get(
+            [
+                worker.set_imagination.remote(
+                    Imaginer(
+                        settings,
+                        WorldModelClient(self.wm_services[i % len(self.wm_services)]),
+                        BufferSink(self.imagined_buffer),
+                        EpisodeSink(self.wm_trainer[0]),
+                        seed=cfg.run.seed + WM_SEED + 1000 + i,
+                    )
+                )
+                for i, worker in enumerate(self.workers)
+            ]
+        )
 
     def _service(self, i: int, incarnation: int = 0) -> Any:
         """Inference replica ``i``; its initial weights are replaced by the trainer's before any
@@ -249,21 +350,33 @@ class EmbodiedWorkload:
         return ServiceClient(self.service_of(worker))
 
     def groups(self) -> list[Group]:
-        """Every role group."""
+        """Every role group (the world-model ones are empty unless the run imagines)."""
         buffer = Group("replay_buffer", [self.replay_buffer] if self.replay_buffer else [])
-        return [self.trainer, self.services, buffer, self.workers, self.evaluators]
+        imagined = Group("imagined_buffer", [self.imagined_buffer] if self.imagined_buffer else [])
+        return [
+            self.trainer,
+            self.services,
+            buffer,
+            self.workers,
+            self.evaluators,
+            self.wm_trainer,
+            self.wm_services,
+            imagined,
+        ]
 
     def traced(self) -> dict[str, Any]:
-        """Executors that record spans, by name: trainer ranks and inference replicas."""
-        return self.trainer.named() | self.services.named()
+        """Executors that record spans, by name: trainer ranks, inference replicas, and the
+        world-model trainer and replicas."""
+        named = self.trainer.named() | self.services.named()
+        return named | self.wm_trainer.named() | self.wm_services.named()
 
     def receivers(self) -> dict[str, Any]:
         """Every inference replica receives the weights."""
         return self.services.named()
 
     def closing(self) -> list[Any]:
-        """Close the trainer ranks' publishers."""
-        return [r.close_sync.remote() for r in self.trainer]
+        """Close the trainer ranks' (and the world-model trainer's) publishers."""
+        return [r.close_sync.remote() for r in [*self.trainer, *self.wm_trainer]]
 
     async def snapshot(self) -> dict[str, Any]:
         """For a run checkpoint: the state of the inference replicas (sampling generators), the
@@ -274,6 +387,7 @@ class EmbodiedWorkload:
         own state here: the run goes on exactly as a resume from this checkpoint would, each
         worker starting a fresh episode from the seed the checkpoint records.
         """
+        await self.finish_world_model()  # the world-model trainer holds still while saved
         parts = await snapshot(self._executors())
         parts["task_choice"] = self.choice.state_dict()
         parts["retired_workers"] = {
@@ -324,11 +438,58 @@ class EmbodiedWorkload:
     def _executors(self) -> list[Group]:
         return [g for g in self.groups() if g.role != "trainer"]
 
+    def buffers(self) -> list[Any]:
+        """The replay buffer, and ``B_img`` with imagination."""
+        return [self.replay_buffer, *([self.imagined_buffer] if self.imagined_buffer else [])]
+
+    def fetch(self, version: int) -> list[Any]:
+        """Refs to the next super-batch's parts for a trainer at ``version``: the real segments
+        (``replay.batch_steps``, or ``imagination.real_ratio`` of it), then the imagined ones."""
+        steps = self.cfg.replay.batch_steps
+        if not self.imagining:
+            return [self.replay_buffer.get.remote(steps, version)]
+        real = round(self.cfg.imagination.real_ratio * steps)
+        parts = [self.replay_buffer.get.remote(real, version)] if real else []
+        if steps - real:
+            parts.append(self.imagined_buffer.get.remote(steps - real, version))
+        return parts
+
+    async def after_step(self, step: int) -> dict[str, float]:
+        """After policy step ``step``: hand a finished world-model round's version to the
+        replicas and start the round due now; its metrics once it ends."""
+        if not self.imagining:
+            return {}
+        out: dict[str, float] = {}
+        if self.wm_round is not None:
+            done, _ = await asyncio.to_thread(ray.wait, [self.wm_round], timeout=0)
+            if not done:
+                return out
+            found = await self.wm_round
+            self.wm_round = None
+            out = dict(found.metrics)
+            if found.version > self.wm_version:
+                await asyncio.gather(*self.wm_sync.publish())
+                self.wm_version = found.version
+        self.wm_round = self.wm_trainer[0].train.remote(step)
+        return out
+
+    async def finish_world_model(self) -> None:
+        """Wait for the world-model round in progress and publish what it trained."""
+        if self.wm_round is not None:
+            found = await self.wm_round
+            self.wm_round = None
+            if found.version > self.wm_version:
+                await asyncio.gather(*self.wm_sync.publish())
+                self.wm_version = found.version
+
     def prepare(self, log: MetricsLog) -> dict:
         """Publish version 0, pin the evaluators to ``env.eval_tasks``, evaluate, and give the
         workers their first task weights."""
         cfg = self.cfg
         ray.get(publish_weights(self.trainer, self.receivers()))
+        if self.imagining:  # the replicas serve the world-model trainer's version 0 first
+            self.wm_sync = connect_weight_sync(cfg, self.wm_trainer, self.wm_services.named())
+            ray.get(self.wm_sync.publish())
         if cfg.env.eval_tasks is not None:
             unknown = sorted(set(cfg.env.eval_tasks) - set(self.tasks))
             if unknown or not cfg.env.eval_tasks:
@@ -489,7 +650,8 @@ class EmbodiedWorkload:
         occupancy = loop["occupancy"]
         requests = sum(s["requests"] for s in services)
         forwards = sum(s["forwards"] for s in services)
-        return {
+        imagined = self._imagined_sections(workers, trainers, loop) if self.imagining else {}
+        return imagined | {
             "eval": {"end": end},
             "rollout": {
                 "env_steps_per_s": trained / rl_wall,
@@ -538,6 +700,55 @@ class EmbodiedWorkload:
                 "in_flight": sum(in_flight.values()),
                 **{f"in_flight_{k}": v for k, v in in_flight.items()},
                 "accounted": generated == trained + sum(dropped.values()) + sum(in_flight.values()),
+            },
+        }
+
+    def _imagined_sections(self, workers: list[dict], trainers: list[dict], loop: dict) -> dict:
+        """The ``imagined_samples`` books (imagined env steps: generated = put into ``B_img``,
+        trained, dropped, in flight) and the ``world_model`` section."""
+        buffer = ray.get(self.imagined_buffer.stats.remote())
+        wm = ray.get(self.wm_trainer[0].stats.remote())
+        services = ray.get([s.stats.remote() for s in self.wm_services])
+        dropped = {
+            "dropped_stale": sum(t["imagined_dropped_stale"] for t in trainers)
+            + buffer["dropped_stale_steps"],
+            "dropped_overflow": buffer["dropped_overflow_steps"],
+        }
+        in_flight = {
+            "resident": buffer["resident_steps"],
+            "prefetched": loop.get("prefetched_imagined", 0),
+        }
+        generated = buffer["put_steps"]
+        trained = sum(t["imagined_trained"] for t in trainers)
+        counts = [w["imagined"] for w in workers]
+        episodes = sum(c.get("episodes", 0) for c in counts)
+        return {
+            "imagined_samples": {
+                "unit": "imagined_env_steps",
+                "generated": generated,
+                "by_live_workers": sum(c.get("steps", 0) for c in counts),
+                "trained": trained,
+                **dropped,
+                "in_flight": sum(in_flight.values()),
+                **{f"in_flight_{k}": v for k, v in in_flight.items()},
+                "accounted": generated == trained + sum(dropped.values()) + sum(in_flight.values()),
+                "episodes": episodes,
+                "success_rate": sum(c.get("successes", 0) for c in counts) / max(episodes, 1),
+            },
+            "world_model": {
+                "version": wm["version"],
+                "updates": wm["updates"],
+                "b_wm": {
+                    k: wm[k]
+                    for k in ("buffer_steps", "buffer_episodes", "added_steps", "evicted_steps")
+                },
+                "service": {
+                    "replicas": len(services),
+                    "requests": sum(s["requests"] for s in services),
+                    "mean_batch": sum(s["requests"] for s in services)
+                    / max(sum(s["forwards"] for s in services), 1),
+                    "versions": [s["version"] for s in services],
+                },
             },
         }
 
