@@ -126,6 +126,8 @@ class Placement:
 
 
 PLACEMENT_TIMEOUT_S = 120
+# Start-up of the run's actors (torch import, model build): minutes on a loaded 2-core machine.
+ACTOR_START_TIMEOUT_S = 300
 
 
 class RayStartError(RuntimeError):
@@ -261,9 +263,18 @@ def node_of(actor: Any) -> tuple[str, str]:
 
 
 def topology(groups: Sequence[Group], placement: str) -> dict:
-    """summary.json's ``topology``: placement, and every actor's node, by role."""
+    """summary.json's ``topology``: placement, and every actor's node, by role. It is the first
+    call every actor answers, so it waits up to ``ACTOR_START_TIMEOUT_S`` for all of them."""
     refs = {g.role: [a.__ray_call__.remote(node_of) for a in g] for g in groups}
-    nodes = {role: ray.get(r, timeout=60) for role, r in refs.items()}
+    every = [r for found in refs.values() for r in found]
+    _, pending = ray.wait(every, num_returns=len(every), timeout=ACTOR_START_TIMEOUT_S)
+    if pending:
+        slow = sorted(role for role, found in refs.items() if set(found) & set(pending))
+        raise RuntimeError(
+            f"actors of {slow} did not start within {ACTOR_START_TIMEOUT_S} s (each imports "
+            "torch and builds its model first); check `ray status` and the machine's load"
+        )
+    nodes = {role: ray.get(r) for role, r in refs.items()}
     return {
         "placement": placement,
         "nodes": len({node for found in nodes.values() for node, _ in found}),
