@@ -464,23 +464,21 @@ class EmbodiedWorkload:
             done, _ = await asyncio.to_thread(ray.wait, [self.wm_round], timeout=0)
             if not done:
                 return out
-            found = await self.wm_round
-            self.wm_round = None
-            out = dict(found.metrics)
-            if found.version > self.wm_version:
-                await asyncio.gather(*self.wm_sync.publish())
-                self.wm_version = found.version
+            out = await self.finish_world_model()
         self.wm_round = self.wm_trainer[0].train.remote(step)
         return out
 
-    async def finish_world_model(self) -> None:
-        """Wait for the world-model round in progress and publish what it trained."""
-        if self.wm_round is not None:
-            found = await self.wm_round
-            self.wm_round = None
-            if found.version > self.wm_version:
-                await asyncio.gather(*self.wm_sync.publish())
-                self.wm_version = found.version
+    async def finish_world_model(self) -> dict[str, float]:
+        """Wait for the world-model round in progress (if any), publish the version it trained
+        to the replicas; its metrics."""
+        if self.wm_round is None:
+            return {}
+        found = await self.wm_round
+        self.wm_round = None
+        if found.version > self.wm_version:
+            await asyncio.gather(*self.wm_sync.publish())
+            self.wm_version = found.version
+        return dict(found.metrics)
 
     def prepare(self, log: MetricsLog) -> dict:
         """Publish version 0, pin the evaluators to ``env.eval_tasks``, evaluate, and give the
