@@ -641,6 +641,12 @@ class VLAModelConfig(_Section):
     """embodied: sizes of the VLA policy (relayrl.models.vla); views, image size and the action
     vocabulary come from the environment."""
 
+    path: str | None = Field(
+        None,
+        description="Folder of a saved VLA policy to start from (an embodied run's "
+        "RUN_DIR/checkpoint: vla_config.json + model.safetensors); its sizes must equal this "
+        "config's. null: a fresh policy. A resumed run loads its checkpoint instead.",
+    )
     patch_size: int = Field(8, ge=1, description="Patch stem stride; 8 is one BabyAI cell.")
     channels: int = Field(32, ge=1, description="Channels of the convolutional image encoder.")
     conv_layers: int = Field(2, ge=0, description="FiLM-conditioned residual convolutions.")

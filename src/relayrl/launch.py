@@ -609,7 +609,7 @@ def vla_config(cfg: Config, views: int, dims: int, vocab: int) -> VLAConfig:
         views=views,
         action_dims=dims,
         action_vocab=vocab,
-        **cfg.vla.model_dump(),
+        **cfg.vla.model_dump(exclude={"path"}),
     )
 
 

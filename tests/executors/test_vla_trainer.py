@@ -164,6 +164,34 @@ def test_state_dict_restores_and_the_checkpoint_rebuilds_the_policy(tmp_path):
         assert torch.equal(rebuilt.state_dict()[key], value)
 
 
+def test_vla_path_starts_the_trainer_from_a_saved_policy_of_the_same_sizes(tmp_path):
+    trainer = make_trainer()
+    trainer.train_step(SEGMENTS)
+    path = trainer.save_pretrained(str(tmp_path / "ckpt"))
+    fresh, loaded = make_trainer(), make_trainer(f"vla.path={path}")
+    assert loaded.version == 0  # a new run's first version, from the saved weights
+    state = trainer.policy.state_dict()
+    assert all(torch.equal(loaded.policy.state_dict()[k], v) for k, v in state.items())
+    assert not all(torch.equal(fresh.policy.state_dict()[k], v) for k, v in state.items())
+
+
+def test_vla_path_of_other_sizes_or_no_policy_is_refused_naming_the_difference(tmp_path):
+    from relayrl.workloads.embodied import check_saved_vla
+
+    path = make_trainer().save_pretrained(str(tmp_path / "ckpt"))
+    wider = VLAConfig(**{**TINY_VLA.__dict__, "d_model": 16, "heads": 4})
+    with pytest.raises(ConfigError, match=r"vla.path=.*d_model=8 \(this run: 16\)"):
+        check_saved_vla(path, wider)
+    with pytest.raises(ValueError, match=r"other sizes: d_model=8 \(this run: 16\)"):
+        VLATrainer(
+            load_config(None, ["workload=embodied", "env.image_size=8", f"vla.path={path}"]),
+            wider,
+        )
+    with pytest.raises(ConfigError, match="vla_config.json and model.safetensors missing"):
+        check_saved_vla(str(tmp_path), TINY_VLA)
+    check_saved_vla(path, TINY_VLA)  # the same sizes pass
+
+
 def nan_on_calls(*calls: int):
     """The trainer's loss, but a nan (with finite, zero gradients) on the given 0-based calls:
     one call per minibatch."""

@@ -159,7 +159,7 @@ BAD = {
     ),
     "not-a-checkpoint": (
         ["collect", "--out", "{tmp}/x", "--policy", "{tmp}"],
-        "not random or noisy_scripted, and not a VLA checkpoint folder",
+        "is not a saved VLA policy: vla_config.json and model.safetensors missing",
     ),
     "heldout-out-of-range": (
         ["pretrain", "--data", "{root}/data", "--out", "{tmp}/m", "--heldout", "1.5"],

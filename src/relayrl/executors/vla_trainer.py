@@ -57,7 +57,7 @@ from relayrl.algorithms.advantages import gae
 from relayrl.algorithms.normalization import Welford, global_normalize
 from relayrl.config import Config
 from relayrl.executors.trainer_core import TrainerCore
-from relayrl.models.vla import VLAConfig, VLAPolicy
+from relayrl.models.vla import VLAConfig, VLAPolicy, load_vla_weights
 from relayrl.types import Segment, StepResult
 
 
@@ -168,6 +168,8 @@ class VLATrainer(TrainerCore):
         self.tc = cfg.trainer
         self.vla = vla
         self.policy = VLAPolicy(vla).train()
+        if cfg.vla.path is not None:  # checked by the workload; a resume loads over it
+            self.policy.load_state_dict(load_vla_weights(cfg.vla.path, vla))
         super().__init__(
             cfg,
             self.policy,

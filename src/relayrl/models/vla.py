@@ -35,12 +35,15 @@ Architecture, in the order data flows:
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import zlib
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 from torch import Tensor, nn
 
 from relayrl.models.value_heads import AcceValueHead, ActionAwareValueHead
@@ -304,6 +307,35 @@ class VLAPolicy(nn.Module):
             )
         if tuple(steps.shape) != (batch,):
             raise ValueError(f"steps must have shape [B={batch}], got {list(steps.shape)}")
+
+
+def saved_vla_config(path: str | Path) -> VLAConfig:
+    """The ``VLAConfig`` of the saved policy in the folder ``path`` (``vla_config.json`` and
+    ``model.safetensors``, as an embodied run's ``RUN_DIR/checkpoint`` holds them); raises
+    ``FileNotFoundError`` naming what is missing."""
+    folder = Path(path)
+    missing = [n for n in ("vla_config.json", "model.safetensors") if not (folder / n).is_file()]
+    if missing:
+        raise FileNotFoundError(
+            f"{path} is not a saved VLA policy: {' and '.join(missing)} missing (an embodied "
+            "run's RUN_DIR/checkpoint holds both)"
+        )
+    return VLAConfig(**json.loads((folder / "vla_config.json").read_text()))
+
+
+def vla_mismatch(saved: VLAConfig, wanted: VLAConfig) -> list[str]:
+    """``field=saved (wanted)`` for every size in which ``saved`` differs from ``wanted``."""
+    mine, theirs = asdict(wanted), asdict(saved)
+    return [f"{k}={theirs[k]!r} (this run: {v!r})" for k, v in mine.items() if theirs[k] != v]
+
+
+def load_vla_weights(path: str | Path, wanted: VLAConfig) -> dict[str, Tensor]:
+    """The state dict of the saved policy in the folder ``path``; raises ``ValueError`` naming
+    every size in which it differs from ``wanted``."""
+    differ = vla_mismatch(saved_vla_config(path), wanted)
+    if differ:
+        raise ValueError(f"the VLA policy saved in {path} has other sizes: {', '.join(differ)}")
+    return load_file(str(Path(path) / "model.safetensors"))
 
 
 def tokenize_instructions(instructions: list[str], *, hash_buckets: int, max_tokens: int) -> Tensor:

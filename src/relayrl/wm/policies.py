@@ -8,17 +8,15 @@ arm of evaluation); a batched ``relayrl.models.world_model.Policy`` (frames, ins
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 import torch
-from safetensors.torch import load_file
 from torch import Tensor
 
 from relayrl.envs.embodied import ActionSpace, EmbodiedEnv, Observation
-from relayrl.models.vla import VLAConfig, VLAPolicy
+from relayrl.models.vla import VLAPolicy, load_vla_weights, saved_vla_config
 
 POLICY_NAMES = ("random", "noisy_scripted")
 """The built-in policy names; anything else is read as the folder of a VLA checkpoint."""
@@ -117,15 +115,14 @@ class CheckpointPolicy:
 def load_vla_checkpoint(path: str | Path) -> VLAPolicy:
     """The VLA policy in the folder ``path`` (``vla_config.json`` and ``model.safetensors``, as
     an embodied run's ``checkpoint/`` holds them), in eval mode on the CPU."""
-    folder = Path(path)
-    config = folder / "vla_config.json"
-    if not config.is_file() or not (folder / "model.safetensors").is_file():
+    try:
+        config = saved_vla_config(path)
+    except FileNotFoundError as err:
         raise FileNotFoundError(
-            f"--policy {path}: not random or noisy_scripted, and not a VLA checkpoint folder "
-            "(vla_config.json and model.safetensors, as RUN_DIR/checkpoint holds them)"
-        )
-    policy = VLAPolicy(VLAConfig(**json.loads(config.read_text())))
-    policy.load_state_dict(load_file(str(folder / "model.safetensors")))
+            f"--policy {path}: not random or noisy_scripted, and {err}"
+        ) from err
+    policy = VLAPolicy(config)
+    policy.load_state_dict(load_vla_weights(path, config))
     return policy.eval()
 
 

@@ -32,7 +32,7 @@ import ray
 from relayrl.algorithms.curriculum import Curriculum
 from relayrl.algorithms.dwr import DynamicWeightedResampler
 from relayrl.channels.act_socket import SocketServiceClient
-from relayrl.config import Config
+from relayrl.config import Config, ConfigError
 from relayrl.envs.embodied import EmbodiedEnv
 from relayrl.executors.imagination import ImaginationSettings, Imaginer
 from relayrl.executors.inference_service import InferenceService
@@ -58,7 +58,7 @@ from relayrl.launch import (
     vla_config,
     world_model_configs,
 )
-from relayrl.models.vla import VLAPolicy
+from relayrl.models.vla import VLAConfig, VLAPolicy, saved_vla_config, vla_mismatch
 from relayrl.models.world_model import SuccessModel, build_obs_model
 from relayrl.models.world_model.serving import WorldModel, world_model_replies
 from relayrl.observability.metrics import MetricsLog, RunTally, say
@@ -123,6 +123,8 @@ class EmbodiedWorkload:
             tasks = tuple(cfg.env.tasks)
         self.tasks = tasks
         vla = vla_config(cfg, views, space.dims, space.vocab)
+        if cfg.vla.path is not None:
+            check_saved_vla(cfg.vla.path, vla)
         ranks, replicas = cfg.trainer.ranks, cfg.inference.replicas
         roles = {
             "trainer": (ranks, cfg.trainer.resources),
@@ -819,3 +821,16 @@ class TaskChoice:
             "opened_at_step": dict(zip(c.stages, c.opened_at, strict=False)),
             "stage_success_rate": c.success_rate(),
         }
+
+
+def check_saved_vla(path: str, wanted: VLAConfig) -> None:
+    """Raise ``ConfigError`` unless ``vla.path`` holds a saved policy of ``wanted``'s sizes."""
+    try:
+        differ = vla_mismatch(saved_vla_config(path), wanted)
+    except (FileNotFoundError, TypeError, ValueError) as err:
+        raise ConfigError(f"vla.path={path!r}: {err}") from err
+    if differ:
+        raise ConfigError(
+            f"vla.path={path!r}: the saved policy has other sizes than this run's vla and env "
+            f"settings: {', '.join(differ)}"
+        )
