@@ -8,6 +8,7 @@ import pytest
 from conftest import shm_files, tiny_config
 from safetensors.torch import load_file
 
+from relayrl.config import Config
 from relayrl.executors.trainer import Trainer
 from relayrl.job import train
 from relayrl.launch import pick_transport
@@ -93,8 +94,18 @@ def _check_trace_agrees_with_summary(run_dir, summary):
     assert (run_dir / "timeline.png").stat().st_size > 0
 
 
-def test_sync_run_is_strictly_on_policy(ray_session, tmp_path):
-    _, summary = _run(tmp_path, "mode=sync", "sync.transport=dist", "sync.precision=bf16")
+@pytest.fixture(scope="module")
+def sync_run(ray_session, tmp_path_factory) -> tuple[Config, dict]:
+    """One sync run that two tests below share: two replicas, weights sent over dist in bf16."""
+    cfg = tiny_config(
+        *SMALL,
+        *("mode=sync", "sync.transport=dist", "sync.precision=bf16", "generator.replicas=2"),
+    )
+    return cfg, train(cfg, tmp_path_factory.mktemp("sync") / "run")
+
+
+def test_sync_run_is_strictly_on_policy(sync_run):
+    _, summary = sync_run
     assert summary["steps"] == 6
     assert summary["sync"]["transport"] == "dist" and summary["sync"]["publishes"] >= 7
     assert summary["staleness"]["hist"] == {"0": summary["samples"]["trained"]}
@@ -261,11 +272,11 @@ def test_async_replicas_with_a_pull_transport_take_only_the_newest_version(ray_s
     assert summary["eval"]["end"]["version"] == summary["updates"]
 
 
-def test_sync_replicas_train_on_both_batches_each_step(ray_session, tmp_path):
-    cfg, summary = _run(tmp_path, "mode=sync", "steps=3", "generator.replicas=2")
+def test_sync_replicas_train_on_both_batches_each_step(sync_run):
+    cfg, summary = sync_run
     samples = summary["samples"]
     per_step = 2 * cfg.generator.prompts_per_step * cfg.generator.group_size
-    assert samples["generated"] == samples["trained"] == 3 * per_step
+    assert samples["generated"] == samples["trained"] == cfg.steps * per_step
     assert summary["staleness"]["max"] == 0 and samples["accounted"]
 
 

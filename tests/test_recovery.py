@@ -127,7 +127,10 @@ def test_killed_inference_replicas_and_rollout_workers_are_replaced_and_the_book
     ray_session, tmp_path, monkeypatch, mode, transport
 ):
     monkeypatch.setitem(job.WORKLOADS, "embodied", KeptEmbodied)
-    cfg = tiny_config(*EMBODIED, f"mode={mode}", "steps=5", f"inference.transport={transport}")
+    cfg = tiny_config(
+        *EMBODIED,
+        *(f"mode={mode}", "steps=5", f"inference.transport={transport}", "env.eval_workers=2"),
+    )
     run_dir = tmp_path / "run"
     how = ("ray.kill", "os.kill") if mode == "async" else ("os.kill", "ray.kill")
     kills = [(1, "inference_service", 0, how[0]), (3, "rollout_worker", 1, how[1])]

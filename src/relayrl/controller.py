@@ -365,8 +365,12 @@ async def run_streaming(
                 sync.publish()
         result.metrics |= await w.after_step(tally.steps + 1)
         result.metrics |= await w.episode_feedback(tally.steps + 1)
-        occupancy.append((await w.replay_buffer.stats.remote())["occupancy"])
+        buffer = await w.replay_buffer.stats.remote()
+        occupancy.append(buffer["occupancy"])
         result.metrics["replay/occupancy"] = occupancy[-1]
+        # Real env steps of the segments the workers have finished: the x axis of learning per
+        # env interaction (the trained total leaves out what a run with imagination never trains).
+        result.metrics["samples/real_put_total"] = float(buffer["put_steps"])
         await _log_step(cfg, tally, log, result, w.evaluate)
         if ckpt.due():
             # With the workers stopped the buffer holds still, and the fetch ahead has taken its

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import os
 import random
 import socket
@@ -139,6 +140,14 @@ class RayStartError(RuntimeError):
 CONNECT_TIMEOUT_S = 5.0
 # A GCS call that takes no arguments and answers at once: proof that a Ray head listens.
 GCS_PING = "/ray.rpc.NodeInfoGcsService/GetClusterId"
+
+
+@functools.cache
+def remote_class(cls: type) -> Any:
+    """``ray.remote(cls)``, made once per class: Ray exports an actor class (pickled, its code
+    disassembled for a collision check) once per class object and job, so a fresh
+    ``ray.remote(cls)`` per actor re-exported it for every actor and every replacement."""
+    return ray.remote(cls)
 
 
 def start_ray(cfg: Config) -> None:

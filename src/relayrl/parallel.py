@@ -24,8 +24,6 @@ import ray
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.fsdp import FSDPModule, fully_shard
 
 
 def group_address() -> tuple[str, int]:
@@ -50,6 +48,10 @@ def join(host: str, port: int, rank: int, world: int, *, cuda: bool) -> None:
 def shard(model: nn.Module) -> None:
     """Shard ``model`` in place with FSDP2: every module of every ``ModuleList`` (its layers, each
     gathered only for its own forward and backward), then the root; gradients sum over ranks."""
+    # Imported here: FSDP pulls in torch's compiler stack, ~0.7 s of CPU in every process that
+    # imports this module, and only a trainer of several ranks shards.
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
     # Innermost first: FSDP2 leaves out of a module's shards the parameters already sharded below.
     for module in reversed(list(model.modules())):
         if isinstance(module, nn.ModuleList):
@@ -92,6 +94,8 @@ def share(count: int, rank: int, world: int) -> slice:
 def full_state_dict(model: nn.Module) -> dict[str, Tensor]:
     """The full (unsharded) state dict on the CPU of rank 0, empty on the other ranks; a
     collective."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     state = get_model_state_dict(model, options=options)
     # The gather copies a tied parameter once per name; alias the copies again, as in the

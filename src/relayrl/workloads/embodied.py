@@ -52,6 +52,7 @@ from relayrl.launch import (
     connect_weight_sync,
     form_trainer_group,
     publish_weights,
+    remote_class,
     restore,
     set_task_weights,
     snapshot,
@@ -145,7 +146,7 @@ class EmbodiedWorkload:
         self.trainer = Group(
             "trainer",
             [
-                ray.remote(VLATrainer)
+                remote_class(VLATrainer)
                 .options(**at("trainer", r))
                 .remote(cfg, vla, rank=r, world=ranks)
                 for r in range(ranks)
@@ -155,7 +156,7 @@ class EmbodiedWorkload:
         self.services = Group("inference_service", [self._service(i) for i in range(replicas)])
         # Threaded: a blocking get must not hold up the workers' puts.
         self.replay_buffer = (
-            ray.remote(ReplayBuffer)
+            remote_class(ReplayBuffer)
             .options(max_concurrency=4, **at("replay_buffer", 0))
             .remote(cfg.replay.capacity_steps, max_staleness=cfg.max_staleness)
         )
@@ -184,7 +185,7 @@ class EmbodiedWorkload:
         self.wm_trainer = Group(
             "world_model_trainer",
             [
-                ray.remote(WorldModelTrainer)
+                remote_class(WorldModelTrainer)
                 .options(max_concurrency=2, **at("world_model_trainer", 0))
                 .remote(cfg, obs_cfg, reward_cfg)
             ],
@@ -192,7 +193,7 @@ class EmbodiedWorkload:
         self.wm_services = Group(
             "world_model_service",
             [
-                ray.remote(InferenceService)
+                remote_class(InferenceService)
                 .options(**at("world_model_service", i))
                 .remote(
                     WorldModel(build_obs_model(obs_cfg), SuccessModel(reward_cfg)),
@@ -208,7 +209,7 @@ class EmbodiedWorkload:
             ],
         )
         self.imagined_buffer = (
-            ray.remote(ReplayBuffer)
+            remote_class(ReplayBuffer)
             .options(max_concurrency=4, **at("imagined_buffer", 0))
             .remote(cfg.imagination.buffer_steps, max_staleness=cfg.max_staleness)
         )
@@ -241,7 +242,7 @@ class EmbodiedWorkload:
         action. Its ``incarnation``-th replacement samples from seeds of its own."""
         cfg = self.cfg
         return (
-            ray.remote(InferenceService)
+            remote_class(InferenceService)
             .options(**self.placement.options("inference_service", i))
             .remote(
                 VLAPolicy(self.vla),
@@ -262,7 +263,7 @@ class EmbodiedWorkload:
         worker_id = i + incarnation * count
         seed = cfg.run.seed + (1 if role == "rollout_worker" else 10**6) + worker_id
         return (
-            ray.remote(RolloutWorker)
+            remote_class(RolloutWorker)
             .options(max_concurrency=2, **self.placement.options(role, i))  # stop(), stats()
             .remote(
                 worker_id,

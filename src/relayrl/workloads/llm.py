@@ -20,6 +20,7 @@ from relayrl.launch import (
     Placement,
     form_trainer_group,
     publish_weights,
+    remote_class,
     restore,
     snapshot,
 )
@@ -84,14 +85,14 @@ class LLMWorkload:
         self.trainer = Group(
             "trainer",
             [
-                ray.remote(Trainer).options(**at("trainer", r)).remote(cfg, rank=r, world=ranks)
+                remote_class(Trainer).options(**at("trainer", r)).remote(cfg, rank=r, world=ranks)
                 for r in range(ranks)
             ],
         )
         self.generators = Group(
             "generator",
             [
-                ray.remote(Generator).options(**at("generator", i)).remote(cfg, replica=i)
+                remote_class(Generator).options(**at("generator", i)).remote(cfg, replica=i)
                 for i in range(cfg.generator.replicas)
             ],
         )
@@ -109,7 +110,7 @@ class LLMWorkload:
         if role == "generator":
             replica = index + incarnation * self.cfg.generator.replicas
             options = self.placement.options(role, index)
-            return ray.remote(Generator).options(**options).remote(self.cfg, replica=replica)
+            return remote_class(Generator).options(**options).remote(self.cfg, replica=replica)
         if role not in self.stage_specs:
             raise ValueError(
                 f"a {role} is not replaced: only generator and scoring-stage replicas are"
@@ -151,7 +152,7 @@ class LLMWorkload:
         """Replica ``index`` of the stage of your own called ``name``, in its bundle."""
         spec = self.stage_specs[name]
         options = self.placement.options(name, index)
-        return ray.remote(spec.cls).options(**options).remote(self.cfg, *spec.args, **spec.kwargs)
+        return remote_class(spec.cls).options(**options).remote(self.cfg, *spec.args, **spec.kwargs)
 
     def traced(self) -> dict[str, Any]:
         """Executors that record spans, by name."""
