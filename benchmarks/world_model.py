@@ -66,6 +66,7 @@ ARM_CONFIG = REPO / "configs" / "babyai_wm.yaml"
 TARGET_LEVEL = "BabyAI-GoToLocalS7N4-v0"
 OFFLINE_LEVELS = ["BabyAI-GoToLocalS5N2-v0", "BabyAI-GoToLocalS6N3-v0"]
 QUIET = ["log.progress=false", "log.tensorboard=false"]
+IMAGINED = "samples/imagined_trained_total"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -264,44 +265,61 @@ def run_arm(args: argparse.Namespace, arm: str, policy: str, world_model: str) -
         extra.append("imagination.episodes_per_real=0")
     else:
         extra += [f"world_model.path={world_model}", *args.wm_set]
+    run_dir = folder / "run"
+    summary_path = run_dir / "summary.json"
+    if summary_path.is_file() and json.loads(summary_path.read_text())["status"] == "interrupted":
+        # An arm stopped with Ctrl-C: report what it reached (a rerun keeps it).
+        summary = json.loads(summary_path.read_text())
+        _say(f"{arm}: kept, interrupted after step {summary['steps']}")
+        return _finish(folder, _arm_record(args, run_dir, summary, None))
     cfg = _arm_config(args, extra)
-    _say(f"{arm}: {args.steps} steps")
+    _say(f"{arm}: {args.steps} steps (Ctrl-C ends it early and reports what it reached)")
     start = time.time()
-    with contextlib.redirect_stdout(sys.stderr):
-        summary = train(cfg, _fresh(folder) / "run")
-    wall = time.time() - start
-    lines = Path(summary["artifacts"]["metrics"]).read_text().splitlines()
-    records = [json.loads(x) for x in lines]
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            summary = train(cfg, _fresh(folder) / "run")
+    except KeyboardInterrupt:
+        summary = json.loads(summary_path.read_text())
+    return _finish(folder, _arm_record(args, run_dir, summary, time.time() - start))
+
+
+def _arm_record(args: argparse.Namespace, run_dir: Path, summary: dict, wall: float | None):
+    """An arm's result from its run directory: the evaluations against real env steps (from
+    ``metrics.jsonl``) and the summary's books; an interrupted run has no end evaluation, busy
+    fractions or imagined books."""
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     key = "samples/real_put_total"
     real = {r["step"]: r[key] for r in records if key in r}
+    imagined_steps = {r["step"]: r[k] for r in records for k in [IMAGINED] if k in r}
     times = {r["step"]: r["time"] for r in records if "time" in r}
-    rl_start = times.get(0, start)
+    rl_start = times[0]
     curve = [
         (r["time"] - rl_start, real.get(r["step"], 0.0), r["step"], r["eval/success_rate"])
         for r in records
         if "eval/success_rate" in r
     ]
     reached = next((c for c in curve if c[3] >= args.target), None)
+    finished = summary["status"] == "finished"
     imagined = summary.get("imagined_samples") or {}
-    return _finish(
-        folder,
-        {
-            "wall_clock_s": wall,
-            "rl_wall_clock_s": summary["perf"]["rl_wall_clock_s"],
-            "real_env_steps": summary["samples"]["generated"],
-            "real_trained": summary["samples"]["trained"],
-            "imagined_trained": imagined.get("trained", 0),
-            "accounted": summary["samples"]["accounted"] and imagined.get("accounted", True),
-            "start_success": curve[0][3] if curve else None,
-            "final_success": summary["eval"]["end"]["success_rate"],
-            "best_success": max((c[3] for c in curve), default=None),
-            "real_steps_to_target": None if reached is None else reached[1],
-            "rl_time_to_target_s": None if reached is None else reached[0],
-            "busy": summary["perf"]["busy"],
-            "world_model": summary.get("world_model"),
-            "curve": curve,
-        },
-    )
+    last = max(real, default=0)
+    return {
+        "status": summary["status"],
+        "steps": summary["steps"],
+        "wall_clock_s": wall,
+        "rl_wall_clock_s": max(times.values()) - rl_start,
+        "real_env_steps": summary["samples"]["generated"] if finished else real.get(last, 0.0),
+        "real_trained": summary["samples"]["trained"],
+        "imagined_trained": imagined.get("trained", imagined_steps.get(last)),
+        "accounted": summary["samples"].get("accounted") and imagined.get("accounted", True),
+        "start_success": curve[0][3] if curve else None,
+        "final_success": curve[-1][3] if curve else None,
+        "best_success": max((c[3] for c in curve), default=None),
+        "real_steps_to_target": None if reached is None else reached[1],
+        "rl_time_to_target_s": None if reached is None else reached[0],
+        "busy": summary.get("perf", {}).get("busy"),
+        "world_model": summary.get("world_model"),
+        "curve": curve,
+    }
 
 
 def plot(result: dict, path: Path) -> Path:

@@ -268,6 +268,11 @@ def test_imagination_trains_on_imagined_segments_and_keeps_both_books(ray_sessio
     assert imagined["accounted"] and imagined["trained"] > 0
     assert imagined["generated"] == imagined["by_live_workers"] > 0
     assert imagined["episodes"] > 0
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    per_step = [m["samples/imagined_trained"] for m in metrics if "samples/imagined_trained" in m]
+    key = "samples/imagined_trained_total"
+    totals = [m[key] for m in metrics if key in m]
+    assert sum(per_step) == totals[-1] == imagined["trained"]  # the books' count, step by step
     wm = summary["world_model"]
     assert wm["version"] >= 1 and wm["updates"]["obs"] >= 2 and wm["b_wm"]["added_steps"] > 0
     assert wm["service"]["versions"] == [wm["version"]] and wm["service"]["requests"] > 0

@@ -105,6 +105,7 @@ TALLIED = (
     "train_s",
     "ratio_sum",
     "ratio_steps",
+    "imagined_trained",
 )  # what a checkpoint keeps of a RunTally
 
 
@@ -147,6 +148,7 @@ class RunTally:
         self.generated = 0
         self.trained = 0
         self.dropped_stale = 0
+        self.imagined_trained = 0  # embodied with imagination: imagined env steps trained
         self.dropped_resume = 0  # in flight at a checkpoint a resume continued from
         self.lost = 0  # counted as generated, then died with an executor
         self.failures: list[dict] = []  # executors that died and were replaced
@@ -186,9 +188,10 @@ class RunTally:
         return {k: copy.deepcopy(getattr(self, k)) for k in TALLIED}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore what ``state_dict`` saved."""
+        """Restore what ``state_dict`` saved (a count an older checkpoint lacks stays 0)."""
         for key in TALLIED:
-            setattr(self, key, copy.deepcopy(state[key]))
+            if key in state:
+                setattr(self, key, copy.deepcopy(state[key]))
 
     def on_failure(self, record: dict) -> None:
         """An executor died (``record``: role, name, time, step, reason, lost, unfinished)."""
@@ -260,6 +263,10 @@ class RunTally:
             # rare skip would mostly go unseen.
             "loss/skipped_nonfinite": float(self.skipped_nonfinite),
         }
+        if result.imagined_received:
+            self.imagined_trained += result.imagined_trained
+            out["samples/imagined_trained"] = float(result.imagined_trained)
+            out["samples/imagined_trained_total"] = float(self.imagined_trained)
         if "rollout/accuracy" in out:
             self._recent = {
                 "reward": out["rollout/reward_mean"],
