@@ -95,8 +95,20 @@ def main(argv: list[str] | None = None) -> int:
         if mf["real_steps_to_target"] is None or wm["real_steps_to_target"] is None
         else mf["real_steps_to_target"] / wm["real_steps_to_target"]
     )
+    result = _scrub(result, str(args.work.resolve()))
     save_result(args.out, NAME, result, plot, markdown_table(result))
     return 0
+
+
+def _scrub(value: object, work: str) -> object:
+    """``value`` with every path under ``--work`` written as ``WORK/...`` (no machine paths)."""
+    if isinstance(value, dict):
+        return {k: _scrub(v, work) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_scrub(v, work) for v in value]
+    if isinstance(value, str) and value.startswith(work):
+        return "WORK" + value[len(work) :]
+    return value
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
