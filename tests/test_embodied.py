@@ -277,3 +277,14 @@ def test_imagination_trains_on_imagined_segments_and_keeps_both_books(ray_sessio
     assert wm["version"] >= 1 and wm["updates"]["obs"] >= 2 and wm["b_wm"]["added_steps"] > 0
     assert wm["service"]["versions"] == [wm["version"]] and wm["service"]["requests"] > 0
     assert {"world_model_trainer", "world_model_service"} <= set(summary["perf"]["busy"])
+
+
+def test_a_run_that_drops_most_imagined_steps_untrained_says_which_knobs_balance_them():
+    from relayrl.workloads.embodied import imagined_waste
+
+    warning = imagined_waste(100, {"dropped_overflow": 20, "dropped_stale": 10})
+    assert warning is not None and warning.startswith("30% of the 100 imagined env steps")
+    assert "20 overflowed imagination.buffer_steps, 10 aged past max_staleness" in warning
+    assert "imagination.episodes_per_real" in warning
+    assert imagined_waste(100, {"dropped_overflow": 20, "dropped_stale": 5}) is None  # 25%: fine
+    assert imagined_waste(0, {"dropped_overflow": 0, "dropped_stale": 0}) is None

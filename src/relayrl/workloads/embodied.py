@@ -723,6 +723,8 @@ class EmbodiedWorkload:
         trained = sum(t["imagined_trained"] for t in trainers)
         counts = [w["imagined"] for w in workers]
         episodes = sum(c.get("episodes", 0) for c in counts)
+        if warning := imagined_waste(generated, dropped):
+            say(warning)
         return {
             "imagined_samples": {
                 "unit": "imagined_env_steps",
@@ -835,3 +837,21 @@ def check_saved_vla(path: str, wanted: VLAConfig) -> None:
             f"vla.path={path!r}: the saved policy has other sizes than this run's vla and env "
             f"settings: {', '.join(differ)}"
         )
+
+
+WASTE_WARN_FRACTION = 0.25  # imagined env steps dropped before training, above which we warn
+
+
+def imagined_waste(generated: int, dropped: dict[str, int]) -> str | None:
+    """A warning when more than ``WASTE_WARN_FRACTION`` of the imagined env steps were dropped
+    before any training (``B_img`` overflowed, or they aged past ``max_staleness``), naming the
+    knobs that balance what the workers imagine against what the trainer takes; else None."""
+    lost = dropped["dropped_overflow"] + dropped["dropped_stale"]
+    if not generated or lost / generated <= WASTE_WARN_FRACTION:
+        return None
+    return (
+        f"{lost / generated:.0%} of the {generated} imagined env steps were never trained "
+        f"({dropped['dropped_overflow']} overflowed imagination.buffer_steps, "
+        f"{dropped['dropped_stale']} aged past max_staleness): the workers imagine more than "
+        "the trainer takes; lower imagination.episodes_per_real or imagination.real_ratio"
+    )
