@@ -40,8 +40,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
-import shlex
 import shutil
 import sys
 import tempfile
@@ -51,7 +49,7 @@ from statistics import mean
 import matplotlib
 import matplotlib.pyplot as plt
 import ray
-from common import git_state, machine, relative, save_result
+from common import provenance, relative, save_result
 
 from relayrl.config import load_config
 from relayrl.job import train
@@ -79,10 +77,7 @@ def main(argv: list[str] | None = None) -> int:
             ray.shutdown()
     result = {
         "benchmark": NAME,
-        "command": shlex.join(["python", *(relative(arg) for arg in sys.argv)]),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine(),
-        "git": git_state(),
+        **provenance(),
         "settings": {
             "config": relative(str(args.config)),
             "steps": args.steps,

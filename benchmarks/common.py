@@ -4,9 +4,11 @@ the supervised warm start that several benchmarks share between their runs."""
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import os
 import platform
+import shlex
 import subprocess
 import sys
 import time
@@ -64,6 +66,17 @@ def _git(*args: str) -> str:
         ["git", *args], cwd=REPO, capture_output=True, text=True, check=True, timeout=10
     )
     return done.stdout.strip()
+
+
+def provenance() -> dict:
+    """What every result records of how it was made: the command line (paths made
+    repository-relative), the UTC date, the machine and the git state."""
+    return {
+        "command": shlex.join(["python", *(relative(arg) for arg in sys.argv)]),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine(),
+        "git": git_state(),
+    }
 
 
 def relative(arg: str) -> str:

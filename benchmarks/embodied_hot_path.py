@@ -32,10 +32,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import json
 import os
-import shlex
 import subprocess
 import sys
 import tempfile
@@ -50,7 +48,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import ray  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import git_state, machine, relative, save_result  # noqa: E402
+from common import provenance, relative, save_result  # noqa: E402
 from embodied_throughput import steady_rate  # noqa: E402
 
 from relayrl.config import load_config  # noqa: E402
@@ -86,10 +84,7 @@ def main(argv: list[str] | None = None) -> int:
             ray.shutdown()
     result = {
         "benchmark": NAME,
-        "command": shlex.join(["python", *(relative(arg) for arg in sys.argv)]),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine(),
-        "git": git_state(),
+        **provenance(),
         "settings": {
             "config": relative(str(args.config)),
             "steps": args.steps,

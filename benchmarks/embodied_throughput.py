@@ -40,9 +40,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import json
-import shlex
 import sys
 import tempfile
 from pathlib import Path
@@ -56,7 +54,7 @@ import numpy as np  # noqa: E402
 import ray  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import git_state, machine, relative, save_result  # noqa: E402
+from common import provenance, relative, save_result  # noqa: E402
 
 from relayrl.config import load_config  # noqa: E402
 from relayrl.envs.latency import DELAYS  # noqa: E402
@@ -88,10 +86,7 @@ def main(argv: list[str] | None = None) -> int:
             ray.shutdown()
     result = {
         "benchmark": NAME,
-        "command": shlex.join(["python", *(relative(arg) for arg in sys.argv)]),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine(),
-        "git": git_state(),
+        **provenance(),
         "settings": {
             "config": relative(str(args.config)),
             "steps": args.steps,

@@ -23,9 +23,7 @@ directories are temporary.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import shlex
 import sys
 import tempfile
 import time
@@ -36,8 +34,7 @@ import matplotlib.pyplot as plt
 import ray
 from common import (
     from_start,
-    git_state,
-    machine,
+    provenance,
     relative,
     save_result,
     train_from,
@@ -78,10 +75,7 @@ def main(argv: list[str] | None = None) -> int:
             ray.shutdown()
     result = {
         "benchmark": NAME,
-        "command": shlex.join(["python", *(relative(arg) for arg in sys.argv)]),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine(),
-        "git": git_state(),
+        **provenance(),
         "settings": {
             "config": relative(str(args.config)),
             "steps": args.steps,

@@ -39,10 +39,8 @@ Markdown table. Checkpoints and run directories are temporary.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import random
-import shlex
 import sys
 import tempfile
 import time
@@ -54,8 +52,7 @@ import ray
 import torch
 from common import (
     from_start,
-    git_state,
-    machine,
+    provenance,
     relative,
     save_result,
     train_from,
@@ -97,10 +94,7 @@ def main(argv: list[str] | None = None) -> int:
             ray.shutdown()
     result = {
         "benchmark": NAME,
-        "command": shlex.join(["python", *(relative(arg) for arg in sys.argv)]),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine(),
-        "git": git_state(),
+        **provenance(),
         "settings": {
             "config": relative(str(args.config)),
             "steps": args.steps,

@@ -46,9 +46,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import json
-import shlex
 import sys
 import tempfile
 import time
@@ -58,7 +56,7 @@ from statistics import mean
 import matplotlib
 import matplotlib.pyplot as plt
 import ray
-from common import git_state, machine, relative, save_result, warm_start
+from common import provenance, relative, save_result, warm_start
 
 from relayrl.algorithms.losses import LOSSES
 from relayrl.config import Config, load_config
@@ -118,10 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     config["channels"]["capacity"] = "(max of the config's and the run's lag)"
     result = {
         "benchmark": NAME,
-        "command": shlex.join(["python", *(relative(arg) for arg in sys.argv)]),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine(),
-        "git": git_state(),
+        **provenance(),
         "settings": {
             "config": relative(str(args.config)),
             "steps": args.steps,

@@ -35,11 +35,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import json
 import math
 import os
-import shlex
 import shutil
 import sys
 import time
@@ -51,7 +49,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import git_state, machine, relative, save_result  # noqa: E402
+from common import provenance, relative, save_result  # noqa: E402
 
 from relayrl.config import load_config  # noqa: E402
 from relayrl.job import train  # noqa: E402
@@ -75,10 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     args.work.mkdir(parents=True, exist_ok=True)
     result = {
         "benchmark": NAME,
-        "command": shlex.join(["python", *(relative(arg) for arg in sys.argv)]),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine(),
-        "git": git_state(),
+        **provenance(),
         "settings": {
             k: (str(v) if isinstance(v, Path) else v)
             for k, v in vars(args).items()
