@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 
@@ -167,6 +168,22 @@ class Segment:
 
     def __len__(self) -> int:
         return int(self.actions.shape[0])
+
+
+def segment_arrays(open_segment: object) -> dict[str, np.ndarray]:
+    """The array fields of a ``Segment`` from an open segment's per-step lists (its ``images``,
+    ``steps``, ``actions``, ``logprobs``, ``values``, ``rewards`` and ``versions``), as the rollout
+    worker and imagination both keep them."""
+    o: Any = open_segment
+    return {
+        "images": np.stack(o.images),
+        "steps": np.asarray(o.steps, dtype=np.int64),
+        "actions": np.stack(o.actions),
+        "logprobs": np.stack(o.logprobs),
+        "values": np.asarray(o.values, dtype=np.float32),
+        "rewards": np.asarray(o.rewards, dtype=np.float32),
+        "versions": np.asarray(o.versions, dtype=np.int64),
+    }
 
 
 @dataclass

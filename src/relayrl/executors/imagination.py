@@ -34,7 +34,7 @@ from relayrl.envs.embodied import Observation
 from relayrl.models.world_model.imagine import start_context
 from relayrl.models.world_model.rewards import imagined_reward, imagined_termination
 from relayrl.models.world_model.serving import WMReply, WMRequest
-from relayrl.types import ActReply, Segment
+from relayrl.types import ActReply, Segment, segment_arrays
 
 
 @dataclass
@@ -209,13 +209,7 @@ class Imaginer:
             episode=dream.number,
             task=dream.task,
             instruction=dream.instruction,
-            images=np.stack(dream.images),
-            steps=np.asarray(dream.steps, dtype=np.int64),
-            actions=np.stack(dream.actions),
-            logprobs=np.stack(dream.logprobs),
-            values=np.asarray(dream.values, dtype=np.float32),
-            rewards=np.asarray(dream.rewards, dtype=np.float32),
-            versions=np.asarray(dream.versions, dtype=np.int64),
+            **segment_arrays(dream),
             terminated=terminated,
             episode_done=done,
             success=terminated,

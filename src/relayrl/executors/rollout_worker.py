@@ -50,7 +50,7 @@ import numpy as np
 from relayrl.data.trajectories import Episode
 from relayrl.envs.embodied import EmbodiedEnv, Observation, StepResult
 from relayrl.executors.imagination import Imaginer
-from relayrl.types import ActReply, Segment
+from relayrl.types import ActReply, Segment, segment_arrays
 
 
 @dataclass
@@ -437,13 +437,7 @@ class RolloutWorker:
             episode=slot.episode,
             task=slot.task,
             instruction=slot.instruction,
-            images=np.stack(seg.images),
-            steps=np.asarray(seg.steps, dtype=np.int64),
-            actions=np.stack(seg.actions),
-            logprobs=np.stack(seg.logprobs),
-            values=np.asarray(seg.values, dtype=np.float32),
-            rewards=np.asarray(seg.rewards, dtype=np.float32),
-            versions=np.asarray(seg.versions, dtype=np.int64),
+            **segment_arrays(seg),
             terminated=done and result.terminated,
             episode_done=done,
             success=done and result.success,
