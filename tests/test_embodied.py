@@ -13,7 +13,7 @@ import torch
 from conftest import QUIET, shm_files, tiny_config
 from safetensors.torch import load_file
 
-from relayrl.config import EnvConfig, load_config
+from relayrl.config import ConfigError, EnvConfig, load_config
 from relayrl.job import train
 from relayrl.launch import BLIND_INSTRUCTION, build_env
 from relayrl.models.vla import VLAConfig, VLAPolicy
@@ -277,6 +277,28 @@ def test_imagination_trains_on_imagined_segments_and_keeps_both_books(ray_sessio
     assert wm["version"] >= 1 and wm["updates"]["obs"] >= 2 and wm["b_wm"]["added_steps"] > 0
     assert wm["service"]["versions"] == [wm["version"]] and wm["service"]["requests"] > 0
     assert {"world_model_trainer", "world_model_service"} <= set(summary["perf"]["busy"])
+
+
+def test_a_pretrained_world_model_of_other_sizes_is_refused_naming_them(tmp_path):
+    from relayrl.models.world_model import (
+        ObsModelConfig,
+        SuccessModel,
+        SuccessModelConfig,
+        build_obs_model,
+        save_pretrained,
+    )
+    from relayrl.workloads.embodied import check_saved_world_model
+
+    obs = ObsModelConfig(backend="deterministic", image_size=16, channels=8, cond_dim=16)
+    reward = SuccessModelConfig(image_size=16, channels=8, hidden=16)
+    save_pretrained(build_obs_model(obs), tmp_path / "observation")
+    save_pretrained(SuccessModel(reward), tmp_path / "reward")
+    check_saved_world_model(str(tmp_path), obs, reward)  # the same sizes pass
+    with_head = SuccessModelConfig(image_size=16, channels=8, hidden=16, failure_head=True)
+    with pytest.raises(ConfigError, match=r"reward/ was saved .*failure_head=False \(this run"):
+        check_saved_world_model(str(tmp_path), obs, with_head)
+    with pytest.raises(ConfigError, match="world_model.path=.*config.json and model.safetens"):
+        check_saved_world_model(str(tmp_path / "nothing"), obs, reward)
 
 
 def test_a_run_that_drops_most_imagined_steps_untrained_says_which_knobs_balance_them():

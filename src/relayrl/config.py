@@ -750,6 +750,19 @@ class WorldModelConfig(_Section):
         description="An imagined episode ends in success when the reward model's success "
         "probability reaches this.",
     )
+    failure_head: bool = Field(
+        True,
+        description="The reward model also predicts whether a frame ends the episode "
+        "unsuccessfully (trained on the last frames of real episodes the env ended without "
+        "success); imagined episodes end there as real ones do. false: they run to max_steps.",
+    )
+    failure_threshold: float = Field(
+        0.9,
+        gt=0,
+        le=1,
+        description="An imagined episode ends in failure (terminated, no terminal reward) when "
+        "the failure head's probability reaches this and success was not reached.",
+    )
     max_steps: int = Field(
         32, ge=1, description="Step cap of an imagined episode (truncated, bootstrapped)."
     )
@@ -772,7 +785,10 @@ class WorldModelConfig(_Section):
         20, ge=1, description="Gradient steps of each model in one fine-tuning round."
     )
     batch_size: int = Field(
-        32, ge=2, description="Samples per gradient step (M_reward: half success frames)."
+        32,
+        ge=2,
+        description="Samples per gradient step (M_reward: half success frames, or a quarter "
+        "success and a quarter failure frames with the failure head).",
     )
     buffer_steps: int = Field(
         20000,

@@ -642,5 +642,6 @@ def world_model_configs(
         channels=wm.channels,
         hidden=wm.reward_hidden,
         instruction_tokens=cfg.vla.instruction_tokens,
+        failure_head=wm.failure_head,
     )
     return obs, reward

@@ -1,6 +1,7 @@
 """Imagination in a rollout worker: imagined segments carry the policy's and the world model's
 versions, their potential-based rewards sum to p(end) - p(start) plus the terminal term, episodes
-end on the threshold or the cap, and a worker imagines after each real episode it finishes."""
+end on the threshold, the failure head or the cap, and a worker imagines after each real episode
+it finishes."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ POLICY_VERSION = 3
 
 
 def brightness_world_model(requests: list[WMRequest]) -> list[WMReply]:
-    """Each step brightens the frame by 1 + the action token; p = brightness / 10."""
+    """Each step brightens the frame by 1 + the action token; p = brightness / 10; token 2 leads
+    to a failure frame."""
     replies = []
     for r in requests:
         if r.actions is None:
@@ -28,7 +30,9 @@ def brightness_world_model(requests: list[WMRequest]) -> list[WMReply]:
         else:
             value = int(r.context[-1].flat[0]) + 1 + int(r.actions[-1, 0])
             frame = np.full_like(r.context[-1], value)
-        replies.append(WMReply(frame, min(value / 10, 1.0), WM_VERSION))
+        # Action token 2 is fatal: the frame it leads to is a failure frame (p_fail = 1).
+        fatal = r.actions is not None and int(r.actions[-1, 0]) == 2
+        replies.append(WMReply(frame, min(value / 10, 1.0), float(fatal), WM_VERSION))
     return replies
 
 
@@ -67,6 +71,7 @@ def settings(**changes) -> ImaginationSettings:
         cache_episodes=2,
         context_frames=K,
         threshold=0.9,
+        fail_threshold=0.5,
         max_steps=20,
         terminal_reward=1.0,
         segment_len=4,
@@ -114,6 +119,30 @@ def test_an_imagined_episode_is_cut_at_the_step_cap_without_a_terminal_reward():
         assert float(s.rewards.sum()) == pytest.approx(0.2, abs=1e-6)  # (start + 2 - start) / 10
         assert s.steps[0] < 3  # started from a real frame of the 3-step episode
         assert start == s.steps[0]
+
+
+class FatalPolicy(ZeroPolicy):
+    """Action token 2 (brightness + 3, into a failure frame), log-prob -0.5, value 0."""
+
+    def act_many(self, observations, worker, env_steps):
+        return [ActReply(np.array([2]), np.array([-0.5], np.float32), 0.0, 3) for _ in observations]
+
+
+def test_an_imagined_episode_ends_in_failure_on_the_failure_head_unless_it_succeeds():
+    put = []
+    one = settings(episodes_per_real=6, cache_episodes=1)
+    imaginer = Imaginer(one, brightness_world_model, put.append, print, seed=2)
+    # Starts 0..3: brightness 3..6 after the fatal step, short of success (9): failures.
+    failed = imaginer.after_episode(real_episode(0, 4), FatalPolicy(), 0, 4)
+    assert len(failed) == 6
+    for s in failed:
+        assert len(s) == 1 and s.episode_done and s.terminated and not s.success
+        assert float(s.rewards[0]) == pytest.approx(0.3, abs=1e-6)  # (start + 3 - start) / 10
+    # Starts 6..9: brightness 9..12, success and failure at once: success wins the tie.
+    won = imaginer.after_episode(real_episode(6, 4), FatalPolicy(), 0, 4)
+    assert len(won) == 6
+    assert all(s.terminated and s.success and float(s.rewards[0]) > 1 for s in won)
+    assert imaginer.counts["successes"] == 6 and imaginer.counts["episodes"] == 12
 
 
 class StepEnv:

@@ -5,6 +5,7 @@ imagination requests with them."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import numpy as np
 import pytest
@@ -110,6 +111,30 @@ def test_b_wm_keeps_the_newest_episodes_within_capacity_and_counts_the_rest():
     assert found.success.tolist() == [True, True, False, False]
     # The success frames drawn are the successful episode's last frame.
     assert torch.equal(found.frames[0], torch.from_numpy(buffer.episodes[-1].frames[-1]))
+
+
+def test_with_the_failure_head_a_quarter_of_the_frames_are_failure_frames():
+    buffer = RealEpisodes(100, seed=0)
+    won = episode(3, 1, success=True)
+    lost = dataclasses.replace(episode(4, 2), terminated=True, truncated=False)
+    cut = episode(5, 3)  # truncated: its last frame is neither a success nor a failure
+    for e in (won, lost, cut):
+        buffer.add(e)
+    with_head = SuccessModel(
+        SuccessModelConfig(image_size=SIZE, channels=8, hidden=16, failure_head=True)
+    )
+    found = buffer.success_labels(8, with_head)
+    # 2 success frames, 2 failure frames, 4 of the 3 + 4 + 5 others (not the two ends).
+    assert found.success.tolist() == [True] * 2 + [False] * 6
+    assert found.failure.tolist() == [False] * 2 + [True] * 2 + [False] * 4
+    assert torch.equal(found.frames[0], torch.from_numpy(won.frames[-1]))
+    assert torch.equal(found.frames[2], torch.from_numpy(lost.frames[-1]))
+    ends = [torch.from_numpy(e.frames[-1]) for e in (won, lost)]
+    assert not any(torch.equal(f, end) for f in found.frames[4:] for end in ends)
+    # Without the head the failure frames are other frames: half success, half the rest.
+    without = SuccessModel(SuccessModelConfig(image_size=SIZE, channels=8, hidden=16))
+    plain = buffer.success_labels(8, without)
+    assert plain.failure is None and plain.success.tolist() == [True] * 4 + [False] * 4
 
 
 def test_each_model_trains_on_its_own_schedule_and_the_version_follows():

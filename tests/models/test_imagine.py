@@ -40,6 +40,10 @@ class Brightness(SuccessModel):
     def success_prob(self, frames: Tensor, instruction_ids: Tensor) -> Tensor:
         return to_unit(frames).flatten(1).mean(1)
 
+    def probs(self, frames: Tensor, instruction_ids: Tensor) -> tuple[Tensor, Tensor]:
+        p = self.success_prob(frames, instruction_ids)
+        return p, torch.zeros_like(p)
+
 
 def models() -> tuple[Brighter, Brightness]:
     obs = Brighter(ObsModelConfig(backend="brighter", image_size=SIZE, context_frames=K))

@@ -4,6 +4,7 @@ backend works through the registry alone, and saved or synced weights reproduce 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -25,6 +26,7 @@ from relayrl.models.world_model import (
     imagined_reward,
     imagined_termination,
     load_pretrained,
+    pretrained_mismatch,
     save_pretrained,
     saved_version,
 )
@@ -223,33 +225,106 @@ def test_success_model_learns_which_corner_the_instruction_names():
 
 
 def test_potential_reward_sums_to_the_change_of_potential_plus_the_terminal_term():
-    probs = torch.tensor([[0.1, 0.3, 0.2, 0.95], [0.4, 0.5, 0.6, 0.7]])
-    total, ended = torch.zeros(2), torch.zeros(2, dtype=torch.bool)
+    probs = torch.tensor([[0.1, 0.3, 0.2, 0.95], [0.4, 0.5, 0.6, 0.7], [0.2, 0.1, 0.3, 0.3]])
+    fails = torch.tensor([[0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0], [0.0, 0.2, 0.95, 0.0]])
+    total, ended = torch.zeros(3), torch.zeros(3, dtype=torch.bool)
     rewards, ends = [], []
     for t in range(3):
-        terminated, truncated = imagined_termination(
-            probs[:, t + 1], torch.full((2,), t + 1), threshold=0.9, max_steps=3
+        succeeded, failed, truncated = imagined_termination(
+            probs[:, t + 1],
+            torch.full((3,), t + 1),
+            threshold=0.9,
+            max_steps=3,
+            next_fail=fails[:, t + 1],
+            fail_threshold=0.9,
         )
-        reward = imagined_reward(probs[:, t], probs[:, t + 1], terminated, terminal_reward=1.0)
+        reward = imagined_reward(probs[:, t], probs[:, t + 1], succeeded, terminal_reward=1.0)
         total += reward * ~ended
-        ended |= terminated | truncated
+        ended |= succeeded | failed | truncated
         rewards.append(reward)
-        ends.append((terminated, truncated))
+        ends.append((succeeded, failed, truncated))
 
-    # Episode 0 reaches 0.95 >= 0.9 at step 3: rewards 0.2, -0.1, 0.75 + 1; it ends terminated.
+    # Episode 0 reaches 0.95 >= 0.9 at step 3: rewards 0.2, -0.1, 0.75 + 1; it ends in success.
     assert torch.allclose(torch.stack(rewards)[:, 0], torch.tensor([0.2, -0.1, 1.75]))
-    assert ends[2][0].tolist() == [True, False]
+    assert ends[2][0].tolist() == [True, False, False]
     # Episode 1 never crosses: cut by the cap of 3 steps, no terminal term.
-    assert ends[2][1].tolist() == [False, True] and not ends[1][1].any()
-    expected = probs[:, -1] - probs[:, 0] + torch.tensor([1.0, 0.0])
-    assert torch.allclose(total, expected)  # 0.95 - 0.1 + 1 and 0.7 - 0.4
+    assert ends[2][2][:2].tolist() == [False, True] and not ends[1][2][:2].any()
+    # Episode 2's failure head reaches 0.95 at step 2: it ends there in failure, no terminal term.
+    assert [e[1][2].item() for e in ends[:2]] == [False, True]
+    expected = probs[:, -1] - probs[:, 0] + torch.tensor([1.0, 0.0, 0.0])
+    expected[2] = probs[2, 2] - probs[2, 0]  # 0.3 - 0.2: the change up to the failure frame
+    assert torch.allclose(total, expected)  # 0.95 - 0.1 + 1, 0.7 - 0.4 and 0.3 - 0.2
 
 
-def test_success_wins_a_tie_with_the_step_cap():
-    terminated, truncated = imagined_termination(
-        torch.tensor([0.9, 0.2]), torch.tensor([5, 5]), threshold=0.9, max_steps=5
+def test_success_wins_a_tie_with_failure_and_with_the_step_cap():
+    succeeded, failed, truncated = imagined_termination(
+        torch.tensor([0.9, 0.2, 0.95, 0.1]),
+        torch.tensor([5, 5, 2, 5]),
+        threshold=0.9,
+        max_steps=5,
+        next_fail=torch.tensor([0.0, 0.0, 0.99, 0.99]),
+        fail_threshold=0.9,
     )
-    assert terminated.tolist() == [True, False] and truncated.tolist() == [False, True]
+    assert succeeded.tolist() == [True, False, True, False]
+    assert failed.tolist() == [False, False, False, True]  # failure also wins a tie with the cap
+    assert truncated.tolist() == [False, True, False, False]
+
+
+def test_success_and_failure_heads_learn_the_named_and_the_other_corner():
+    cfg = SuccessModelConfig(image_size=SIZE, channels=16, hidden=32, failure_head=True)
+    model = SuccessModel(cfg)
+    generator = torch.Generator().manual_seed(0)
+
+    def outcome(instructions: list[str], frames: Tensor) -> tuple[Tensor, Tensor]:
+        """Success: the square in the named corner; failure: in the other corner."""
+        other = {a: b for a, b in zip(CORNERS, reversed(CORNERS), strict=True)}
+        named = torch.stack([square_frames(torch.tensor([CORNERS[s]]))[0] for s in instructions])
+        wrong = torch.stack(
+            [square_frames(torch.tensor([CORNERS[other[s]]]))[0] for s in instructions]
+        )
+        same = lambda a: (frames == a).flatten(1).all(1).float()  # noqa: E731
+        return same(named), same(wrong)
+
+    def batches():
+        while True:
+            instructions, frames, _ = corner_set(64, generator)
+            success, failure = outcome(instructions, frames)
+            yield SuccessLabels(frames, model.tokenize(instructions), success, failure)
+
+    train(model, batches(), steps=150)
+    instructions, frames, _ = corner_set(512, torch.Generator().manual_seed(1))
+    success, failure = outcome(instructions, frames)
+    p_success, p_failure = model.probs(frames, model.tokenize(instructions))
+
+    # Each corner is a success for one instruction and a failure for the other (a third of the
+    # frames each); an instruction-blind head stays near 2/3. Measured 1.0 and 1.0.
+    assert ((p_success > 0.5).float() == success).float().mean() > 0.95
+    assert ((p_failure > 0.5).float() == failure).float().mean() > 0.95
+    assert torch.allclose(model.success_prob(frames, model.tokenize(instructions)), p_success)
+    with pytest.raises(ValueError, match="needs SuccessLabels.failure"):
+        model.loss(SuccessLabels(frames[:2], model.tokenize(instructions[:2]), success[:2]))
+
+
+def test_a_reward_model_without_the_failure_head_never_fails_and_loads_as_saved(tmp_path):
+    old = SuccessModel(SuccessModelConfig(image_size=SIZE, channels=8, hidden=16))
+    instructions, frames, _ = corner_set(8, torch.Generator().manual_seed(0))
+    _, p_failure = old.probs(frames, old.tokenize(instructions))
+    assert torch.equal(p_failure, torch.zeros(8))
+    saved = save_pretrained(old, tmp_path / "reward")
+    assert not load_pretrained(saved).cfg.failure_head
+
+    # A run that wants the failure head is told which setting differs; sampling-only settings
+    # of the observation model may differ freely.
+    wanted = SuccessModelConfig(image_size=SIZE, channels=8, hidden=16, failure_head=True)
+    assert pretrained_mismatch(saved, wanted) == ["failure_head=False (this run: True)"]
+    assert pretrained_mismatch(saved, old.cfg) == []
+    obs = save_pretrained(build_obs_model(toy_config("diffusion")), tmp_path / "obs")
+    more_steps = dataclasses.replace(toy_config("diffusion"), denoising_steps=9)
+    assert pretrained_mismatch(obs, more_steps) == []
+    wider = dataclasses.replace(toy_config("diffusion"), channels=24)
+    assert pretrained_mismatch(obs, wider) == ["channels=16 (this run: 24)"]
+    with pytest.raises(FileNotFoundError, match="config.json and model.safetensors missing"):
+        pretrained_mismatch(tmp_path / "nothing", old.cfg)
 
 
 class BlendContext(ObservationModel):

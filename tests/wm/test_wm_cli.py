@@ -113,6 +113,8 @@ def test_pretraining_lowers_the_heldout_prediction_error(root):
     assert start["heldout/obs_mse"] == pytest.approx(start["heldout/copy_last_mse"], rel=1e-4)
     assert end["heldout/obs_mse"] < start["heldout/obs_mse"]
     assert report["split"]["heldout_episodes"] == 6
+    assert report["split"]["train_failure_frames"] >= 0
+    assert "heldout/failure_acc" in report["heldout_end"]
 
 
 def test_eval_reports_finite_errors_success_scores_and_both_success_rates(root, capsys):
@@ -130,9 +132,15 @@ def test_eval_reports_finite_errors_success_scores_and_both_success_rates(root, 
     assert len(report["observation"]["rollout"]["mse"]) == 3
     assert 0 <= report["reward"]["accuracy"] <= 1
     assert report["reward"]["auc"] is None or 0 <= report["reward"]["auc"] <= 1
+    # The failure head (on by default) is scored over the same frames at its own threshold.
+    failure = report["reward"]["failure"]
+    assert failure["frames"] == report["reward"]["frames"]
+    assert failure["failure_frames"] + report["reward"]["success_frames"] <= report["episodes"]
+    assert failure["auc"] is None or 0 <= failure["auc"] <= 1
     play = report["policy"]
     assert 0 <= play["imagined_success"] <= 1 and 0 <= play["real_success"] <= 1
     assert play["same_start_frames"] == 1.0  # the real env restarted every episode exactly
+    assert 0 <= play["imagined_failed_early"] <= 1 and 0 <= play["real_failed_early"] <= 1
 
 
 def test_auc_by_ranks_matches_hand_counted_pairs():

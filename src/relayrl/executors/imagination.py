@@ -7,7 +7,8 @@ frame o_t of a cached episode (drawn uniformly over the cached steps) with the r
 actions before it as context. Every step asks the policy service for actions on the newest frames
 (one request for all), then the world-model service for the next frames and their success
 probabilities (all in flight at once, batched by the service). An imagined episode ends in
-success when the probability reaches ``world_model.threshold`` and is cut at
+success when the probability reaches ``world_model.threshold``, in failure when the reward
+model's failure head reaches ``world_model.failure_threshold``, and is cut at
 ``world_model.max_steps`` steps; its rewards are potential-based (``imagined_reward``). Episodes
 are cut into segments of at most ``rollout.segment_len`` steps, as real ones, tagged
 ``imagined`` with the policy version of each action and the world-model version of the
@@ -45,6 +46,7 @@ class ImaginationSettings:
     cache_episodes: int
     context_frames: int
     threshold: float
+    fail_threshold: float
     max_steps: int
     terminal_reward: float
     segment_len: int
@@ -168,16 +170,18 @@ class Imaginer:
         )
         s = self.settings
         next_prob = torch.tensor([p.prob for p in predicted])
-        terminated, truncated = imagined_termination(
+        succeeded, failed, truncated = imagined_termination(
             next_prob,
             torch.tensor([d.length + 1 for d in live]),
             threshold=s.threshold,
             max_steps=s.max_steps,
+            next_fail=torch.tensor([p.fail for p in predicted]),
+            fail_threshold=s.fail_threshold,
         )
         rewards = imagined_reward(
             torch.tensor([d.prob for d in live]),
             next_prob,
-            terminated,
+            succeeded,
             terminal_reward=s.terminal_reward,
         )
         closed = []
@@ -196,13 +200,16 @@ class Imaginer:
             dream.prob, dream.wm_version = found.prob, found.version
             dream.context = [*dream.context[1:], found.frame]
             dream.past = [*dream.past[1:], action] if dream.past else []
-            done = bool(terminated[i] or truncated[i])
+            success, terminated = bool(succeeded[i]), bool(succeeded[i] or failed[i])
+            done = terminated or bool(truncated[i])
             if done or len(dream.actions) == s.segment_len:
-                closed.append(self._close(dream, worker, bool(terminated[i]), done))
+                closed.append(self._close(dream, worker, terminated, success, done))
             dream.done = done
         return closed
 
-    def _close(self, dream: _Dream, worker: int, terminated: bool, done: bool) -> Segment:
+    def _close(
+        self, dream: _Dream, worker: int, terminated: bool, success: bool, done: bool
+    ) -> Segment:
         """The dream's open segment as a ``Segment``; the next one starts at its last frame."""
         segment = Segment(
             worker=worker,
@@ -212,7 +219,7 @@ class Imaginer:
             **segment_arrays(dream),
             terminated=terminated,
             episode_done=done,
-            success=terminated,
+            success=success,
             imagined=True,
             wm_version=dream.wm_version,
         )

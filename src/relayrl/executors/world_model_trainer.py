@@ -6,7 +6,8 @@ takes ``world_model.train_steps`` gradient steps of M_obs when ``policy_step`` i
 ``world_model.train_obs_every`` (T_obs) and of M_reward when it is one of
 ``world_model.train_reward_every`` (T_reward), each on ``world_model.batch_size`` samples drawn
 from ``B_wm``: K-frame windows for M_obs, frames half of which are success frames (the last frame
-of a successful episode, rare otherwise) for M_reward. A round that trained either model bumps
+of a successful episode, rare otherwise) for M_reward, or a quarter success and a quarter failure
+frames with its failure head. A round that trained either model bumps
 the world-model version, and ``publish`` sends both models as one module (``WorldModel``) through
 weight sync, as the policy trainer sends the policy.
 
@@ -41,7 +42,13 @@ from relayrl.models.world_model.serving import WorldModel
 from relayrl.observability.tracing import Span, Tracer
 from relayrl.weight_sync import TRANSPORTS, Ticket
 from relayrl.weight_sync.base import TrainerSide
-from relayrl.wm.pretrain import frame_index, labels, transition_index, transitions
+from relayrl.wm.pretrain import (
+    draw_frames,
+    frame_index,
+    labels,
+    transition_index,
+    transitions,
+)
 
 
 @dataclass
@@ -87,19 +94,12 @@ class RealEpisodes:
         return transitions(self.episodes, index[self.rng.integers(len(index), size=n)], k)
 
     def success_labels(self, n: int, model: SuccessModel) -> SuccessLabels | None:
-        """``n`` frames, half of them success frames; None while no success frame is held."""
-        frames, success = frame_index(self.episodes, np.arange(len(self.episodes)))
-        positives, negatives = frames[success], frames[~success]
-        if not len(positives) or not len(negatives):
-            return None
-        half = n // 2
-        chosen = np.concatenate(
-            [
-                positives[self.rng.integers(len(positives), size=half)],
-                negatives[self.rng.integers(len(negatives), size=n - half)],
-            ]
-        )
-        return labels(model, self.episodes, chosen, np.arange(n) < half)
+        """``n`` labelled frames, drawn as ``draw_frames`` draws them (half success frames, or a
+        quarter success and a quarter failure frames for a model with the failure head); None
+        while no success frame is held."""
+        index, outcome = frame_index(self.episodes, np.arange(len(self.episodes)))
+        drawn = draw_frames(index, outcome, n, self.rng, model.cfg.failure_head)
+        return None if drawn is None else labels(model, self.episodes, *drawn)
 
     def state_dict(self) -> dict:
         """The episodes, counters and sampling generator."""

@@ -4,10 +4,13 @@
   the error of an open-loop rollout over ``horizon`` steps (the real actions, the model's own
   frames as context), each beside copying the last real frame.
 - Success model: accuracy (at 0.5 and at ``world_model.threshold``) and AUC over every frame,
-  a frame being a success when it ends a successful episode.
+  a frame being a success when it ends a successful episode; with the failure head the same for
+  failure frames (the last frame of an episode the env ended without success) at
+  ``world_model.failure_threshold``.
 - One fixed policy's success rate in imagination (``imagine`` from each episode's real first
   frame, ended by ``imagined_termination``) against the real env from the same start (the
-  episode's level and reset seed), both capped at ``world_model.max_steps`` steps.
+  episode's level and reset seed), both capped at ``world_model.max_steps`` steps; and how often
+  each ended in failure before the cap.
 
 Episodes of a folder the world model was pretrained on count only if pretraining held them out
 (``pretrain.json`` lists them); episodes of any other folder all count.
@@ -37,6 +40,8 @@ from relayrl.models.world_model import (
 from relayrl.wm.collect import play_episode
 from relayrl.wm.policies import CheckpointPolicy, RandomPolicy
 from relayrl.wm.pretrain import (
+    FAILURE,
+    SUCCESS,
     frame_index,
     frame_mse,
     load_dataset,
@@ -127,16 +132,32 @@ def rollout_errors(
 
 
 @torch.no_grad()
-def success_scores(model: SuccessModel, episodes: list[Episode], threshold: float) -> dict:
-    """The success model's accuracy and AUC over every frame of ``episodes``."""
-    index, success = frame_index(episodes, np.arange(len(episodes)))
-    probs = []
+def success_scores(
+    model: SuccessModel, episodes: list[Episode], threshold: float, fail_threshold: float
+) -> dict:
+    """The success model's accuracy and AUC over every frame of ``episodes``; with the failure
+    head, the same for failure frames under ``"failure"`` (else None there)."""
+    index, outcome = frame_index(episodes, np.arange(len(episodes)))
+    success, failure = [], []
     for start in range(0, len(index), 256):
         rows = index[start : start + 256]
         frames = torch.from_numpy(np.stack([episodes[e].frames[t] for e, t in rows]))
         ids = model.tokenize([episodes[e].instruction for e, _ in rows])
-        probs.append(model.success_prob(frames, ids).numpy())
-    p = np.concatenate(probs)
+        p, f = model.probs(frames, ids)
+        success.append(p.numpy())
+        failure.append(f.numpy())
+    scores = head_scores(np.concatenate(success), outcome == SUCCESS, threshold, "success")
+    scores["failure"] = (
+        head_scores(np.concatenate(failure), outcome == FAILURE, fail_threshold, "failure")
+        if model.cfg.failure_head
+        else None
+    )
+    return scores
+
+
+def head_scores(p: np.ndarray, positive: np.ndarray, threshold: float, name: str) -> dict:
+    """Accuracy (at 0.5 and at ``threshold``), rates at the threshold, AUC and mean
+    probabilities of one head's probabilities ``p`` [N] against ``positive`` bool [N]."""
     at = p >= threshold
 
     def rate(mask: np.ndarray) -> float | None:
@@ -144,14 +165,14 @@ def success_scores(model: SuccessModel, episodes: list[Episode], threshold: floa
 
     return {
         "frames": len(p),
-        "success_frames": int(success.sum()),
-        "accuracy": float(((p >= 0.5) == success).mean()),
-        "accuracy_at_threshold": float((at == success).mean()),
-        "true_positive_rate_at_threshold": rate(at[success]),
-        "true_negative_rate_at_threshold": rate(~at[~success]),
-        "auc": auc(p, success),
-        "mean_prob_success": rate(p[success]) if success.any() else None,
-        "mean_prob_other": float(p[~success].mean()),
+        f"{name}_frames": int(positive.sum()),
+        "accuracy": float(((p >= 0.5) == positive).mean()),
+        "accuracy_at_threshold": float((at == positive).mean()),
+        "true_positive_rate_at_threshold": rate(at[positive]),
+        "true_negative_rate_at_threshold": rate(~at[~positive]),
+        "auc": auc(p, positive),
+        f"mean_prob_{name}": rate(p[positive]) if positive.any() else None,
+        "mean_prob_other": float(p[~positive].mean()),
     }
 
 
@@ -199,7 +220,7 @@ def evaluate(
         rollout["psnr_at_horizon"] = psnr(rollout["mse"][-1])
         rollout["copy_psnr_at_horizon"] = psnr(rollout["copy_mse"][-1])
     bar.update()
-    success = success_scores(reward_model, chosen, wm.threshold)
+    success = success_scores(reward_model, chosen, wm.threshold, wm.failure_threshold)
     bar.update()
     play = policy_success(cfg, obs_model, reward_model, chosen, policy, seed, generator)
     bar.update()
@@ -248,6 +269,7 @@ def policy_success(
         threshold=wm.threshold,
         max_steps=wm.max_steps,
         terminal_reward=wm.terminal_reward,
+        fail_threshold=wm.failure_threshold,
         generator=generator,
     )
     real, same_start = [], 0
@@ -271,7 +293,9 @@ def policy_success(
         "outcome_agreement": float((imagined_success == real_success).mean()),
         "imagined_mean_length": float(imagined.lengths.float().mean()),
         "real_mean_length": float(np.mean([r.steps for r in real])),
+        "failure_threshold": wm.failure_threshold if reward_model.cfg.failure_head else None,
         "real_failed_early": float(np.mean([r.terminated and not r.success for r in real])),
+        "imagined_failed_early": float(imagined.failure.float().mean()),
         "imagined_return": float(imagined.rewards.sum(1).mean()),
         "same_start_frames": same_start / len(episodes),
     }
@@ -298,16 +322,22 @@ def format_report(report: dict[str, Any]) -> str:
             f"(copy start frame: {roll['copy_mse'][-1]:.5f}, {roll['copy_psnr_at_horizon']:.2f} "
             f"dB); MSE by step: {' '.join(f'{m:.4f}' for m in roll['mse'])}"
         )
-    auc_text = "n/a (one class only)" if rew["auc"] is None else f"{rew['auc']:.3f}"
-    lines.append(
-        f"success model ({rew['frames']} frames, {rew['success_frames']} success): accuracy "
-        f"{rew['accuracy']:.3f} at 0.5, {rew['accuracy_at_threshold']:.3f} at the threshold; "
-        f"AUC {auc_text}"
-    )
+    for name, head in (("success", rew), ("failure", rew["failure"])):
+        if head is None:
+            lines.append("failure head: none (world_model.failure_head was off in pretraining)")
+            continue
+        auc_text = "n/a (one class only)" if head["auc"] is None else f"{head['auc']:.3f}"
+        lines.append(
+            f"{name} head ({head['frames']} frames, {head[f'{name}_frames']} {name}): accuracy "
+            f"{head['accuracy']:.3f} at 0.5, {head['accuracy_at_threshold']:.3f} at the "
+            f"threshold; AUC {auc_text}"
+        )
     lines.append(
         f"policy {play['policy']} over {play['episodes']} starts (cap {play['max_steps']} steps): "
         f"success {play['imagined_success']:.3f} imagined vs {play['real_success']:.3f} real "
         f"(gap {play['gap']:+.3f}, same outcome {play['outcome_agreement']:.3f}); mean length "
-        f"{play['imagined_mean_length']:.1f} imagined vs {play['real_mean_length']:.1f} real"
+        f"{play['imagined_mean_length']:.1f} imagined vs {play['real_mean_length']:.1f} real; "
+        f"failed before the cap {play['imagined_failed_early']:.3f} imagined vs "
+        f"{play['real_failed_early']:.3f} real"
     )
     return "\n".join(lines)

@@ -5,7 +5,9 @@ Episodes (not transitions) are split, so no held-out frame was seen in training.
 trains M_obs on ``batch_size`` transitions (K-frame contexts, padded at an episode's start as
 ``context_window`` pads) and M_reward on ``batch_size`` frames, half of them success frames (the
 last frame of a successful episode) and half not: a success frame is one in tens, and a balanced
-batch keeps the classifier from answering "never". Writes into OUT::
+batch keeps the classifier from answering "never". With the failure head a quarter are success
+frames and a quarter failure frames (the last frame of an episode the env ended without success),
+while the data holds any. Writes into OUT::
 
     observation/   reward/     save_pretrained folders (model.safetensors + config.json)
     metrics.jsonl              losses, and the held-out measurements every eval_every steps
@@ -40,8 +42,11 @@ from relayrl.models.world_model import (
 HELDOUT_TRANSITIONS = 256
 """Held-out transitions the observation model is measured on during pretraining."""
 HELDOUT_FRAMES = 1024
-"""Held-out frames the success model is measured on during pretraining (all success frames,
-the rest drawn from the others)."""
+"""Held-out frames the success model is measured on during pretraining (all success and failure
+frames, the rest drawn from the others)."""
+
+OTHER, SUCCESS, FAILURE = 0, 1, 2
+"""A frame's outcome: it does not end its episode, it ends it in success, or in failure."""
 
 
 @dataclass
@@ -121,19 +126,63 @@ def transition_index(episodes: list[Episode], chosen: np.ndarray) -> np.ndarray:
 
 
 def frame_index(episodes: list[Episode], chosen: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """[N, 2] (episode, frame) of every frame of the ``chosen`` episodes and whether each is a
-    success frame (the last frame of a successful episode)."""
+    """[N, 2] (episode, frame) of every frame of the ``chosen`` episodes, and each frame's
+    outcome int8 [N]: ``SUCCESS`` (the last frame of a successful episode), ``FAILURE`` (the
+    last frame of an episode the env ended without success) or ``OTHER``."""
     rows = [(e, t) for e in chosen for t in range(len(episodes[e].frames))]
     index = np.asarray(rows, dtype=np.int64).reshape(-1, 2)
-    success = np.array([episodes[e].success and t == episodes[e].steps for e, t in index], bool)
-    return index, success
+    outcome = np.zeros(len(index), np.int8)
+    for i, (e, t) in enumerate(index):
+        episode = episodes[e]
+        if t == episode.steps and episode.success:
+            outcome[i] = SUCCESS
+        elif t == episode.steps and episode.terminated:
+            outcome[i] = FAILURE
+    return index, outcome
 
 
-def labels(model: SuccessModel, episodes: list[Episode], index: np.ndarray, success) -> Any:
-    """``SuccessLabels`` for the frames ``index`` [N, 2] names."""
+def draw_frames(
+    index: np.ndarray, outcome: np.ndarray, n: int, rng: np.random.Generator, failure_head: bool
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """``n`` of the frames ``index`` [N, 2] of ``outcome`` [N] drawn with replacement for one
+    M_reward step, and their outcomes: half success frames and half others, or with
+    ``failure_head`` (and any failure frame held) a quarter success, a quarter failure and half
+    others; None while no success frame, or no other frame, is held."""
+    fails = np.flatnonzero(outcome == FAILURE) if failure_head else np.zeros(0, np.int64)
+    wins = np.flatnonzero(outcome == SUCCESS)
+    rest = np.flatnonzero(outcome == OTHER if len(fails) else outcome != SUCCESS)
+    quarter = n // 4 if len(fails) else 0
+    pools = [(wins, n // 2 - quarter), (fails, quarter), (rest, n - n // 2)]
+    if not len(wins) or not len(rest):
+        return None
+    pos = np.concatenate([pool[rng.integers(len(pool), size=k)] for pool, k in pools if k])
+    return index[pos], outcome[pos]
+
+
+def labels(
+    model: SuccessModel, episodes: list[Episode], index: np.ndarray, outcome: np.ndarray
+) -> SuccessLabels:
+    """``SuccessLabels`` for the frames ``index`` [N, 2] names, of ``outcome`` [N]; failure
+    labels only for a model with the failure head."""
     frames = torch.from_numpy(np.stack([episodes[e].frames[t] for e, t in index]))
     ids = model.tokenize([episodes[e].instruction for e, _ in index])
-    return SuccessLabels(frames, ids, torch.as_tensor(success))
+    failure = torch.as_tensor(outcome == FAILURE) if model.cfg.failure_head else None
+    return SuccessLabels(frames, ids, torch.as_tensor(outcome == SUCCESS), failure)
+
+
+def head_scores(name: str, logits: torch.Tensor, positive: torch.Tensor) -> dict[str, Any]:
+    """Held-out BCE and accuracy (all, positives, others) of one reward-model head's logits."""
+    target = positive.bool()
+    bce = torch.nn.functional.binary_cross_entropy_with_logits(logits, target.float())
+    correct = ((logits > 0) == target).float()
+    return {
+        f"heldout/{name}_bce": float(bce),
+        f"heldout/{name}_acc": float(correct.mean()),
+        f"heldout/{name}_acc_{'success' if name == 'reward' else name}": (
+            float(correct[target].mean()) if target.any() else None
+        ),
+        f"heldout/{name}_acc_other": float(correct[~target].mean()),
+    }
 
 
 @torch.no_grad()
@@ -182,9 +231,8 @@ def pretrain(
     obs_cfg, reward_cfg = model_configs(cfg, dataset)
     train_eps, held_eps = split(len(episodes), heldout, seed)
     train_tr = transition_index(episodes, train_eps)
-    train_frames, train_success = frame_index(episodes, train_eps)
-    positives, negatives = train_frames[train_success], train_frames[~train_success]
-    if not len(positives):
+    train_frames, train_outcome = frame_index(episodes, train_eps)
+    if not (train_outcome == SUCCESS).any():
         raise ValueError(
             f"--data: none of the {len(train_eps)} training episodes succeeded, so the reward "
             "model has no success frame to learn from; collect some with --policy noisy_scripted"
@@ -200,31 +248,31 @@ def pretrain(
     held_tr = transition_index(episodes, held_eps)
     held_tr = held_tr[np.sort(rng.permutation(len(held_tr))[:HELDOUT_TRANSITIONS])]
     held_batch = transitions(episodes, held_tr, obs_cfg.context_frames)
-    held_frames, held_success = frame_index(episodes, held_eps)
-    keep = held_success | (rng.random(len(held_frames)) < HELDOUT_FRAMES / len(held_frames))
-    held_labels = labels(reward_model, episodes, held_frames[keep], held_success[keep])
+    held_frames, held_outcome = frame_index(episodes, held_eps)
+    keep = (held_outcome != OTHER) | (
+        rng.random(len(held_frames)) < HELDOUT_FRAMES / len(held_frames)
+    )
+    held_labels = labels(reward_model, episodes, held_frames[keep], held_outcome[keep])
 
     def measure(step: int) -> dict[str, float]:
         obs_model.eval()
         reward_model.eval()
         mse, copy = frame_mse(obs_model, held_batch, torch.Generator().manual_seed(seed))
         with torch.no_grad():
-            logits = reward_model(held_labels.frames, held_labels.instruction_ids)
-            target = held_labels.success.float()
-            bce = torch.nn.functional.binary_cross_entropy_with_logits(logits, target)
-            correct = ((logits > 0) == held_labels.success).float()
+            logits = reward_model.logits(held_labels.frames, held_labels.instruction_ids)
         obs_model.train()
         reward_model.train()
-        pos = held_labels.success
         return {
             "step": step,
             "heldout/obs_mse": float(mse.mean()),
             "heldout/obs_psnr": psnr(float(mse.mean())),
             "heldout/copy_last_mse": float(copy.mean()),
-            "heldout/reward_bce": float(bce),
-            "heldout/reward_acc": float(correct.mean()),
-            "heldout/reward_acc_success": float(correct[pos].mean()) if pos.any() else None,
-            "heldout/reward_acc_other": float(correct[~pos].mean()),
+            **head_scores("reward", logits[:, 0], held_labels.success),
+            **(
+                head_scores("failure", logits[:, 1], held_labels.failure)
+                if held_labels.failure is not None
+                else {}
+            ),
         }
 
     out.mkdir(parents=True, exist_ok=True)
@@ -233,7 +281,6 @@ def pretrain(
     log.write(json.dumps(curve[0]) + "\n")
     start = time.perf_counter()
     bar = tqdm(range(1, steps + 1), desc="pretrain", unit="step", disable=not cfg.log.progress)
-    half = batch_size // 2
     for step in bar:
         batch = transitions(
             episodes, train_tr[rng.integers(len(train_tr), size=batch_size)], obs_cfg.context_frames
@@ -243,14 +290,10 @@ def pretrain(
         obs_loss.backward()
         obs_opt.step()
 
-        chosen = np.concatenate(
-            [
-                positives[rng.integers(len(positives), size=half)],
-                negatives[rng.integers(len(negatives), size=batch_size - half)],
-            ]
-        )
-        success = np.arange(batch_size) < half
-        reward_loss = reward_model.loss(labels(reward_model, episodes, chosen, success))
+        drawn = draw_frames(train_frames, train_outcome, batch_size, rng, reward_cfg.failure_head)
+        if drawn is None:  # success frames were checked above; first frames are others
+            raise RuntimeError("the training episodes hold no frame that ends no episode")
+        reward_loss = reward_model.loss(labels(reward_model, episodes, *drawn))
         reward_opt.zero_grad()
         reward_loss.backward()
         reward_opt.step()
@@ -300,7 +343,8 @@ def pretrain(
             "train_episodes": len(train_eps),
             "heldout_episodes": len(held_eps),
             "train_transitions": len(train_tr),
-            "train_success_frames": len(positives),
+            "train_success_frames": int((train_outcome == SUCCESS).sum()),
+            "train_failure_frames": int((train_outcome == FAILURE).sum()),
             "heldout": heldout_keys,
         },
         "final_losses": {"obs": obs_loss.item(), "reward": reward_loss.item()},

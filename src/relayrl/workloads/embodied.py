@@ -25,6 +25,7 @@ import asyncio
 import functools
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -60,7 +61,13 @@ from relayrl.launch import (
     world_model_configs,
 )
 from relayrl.models.vla import VLAConfig, VLAPolicy, saved_vla_config, vla_mismatch
-from relayrl.models.world_model import SuccessModel, build_obs_model
+from relayrl.models.world_model import (
+    ObsModelConfig,
+    SuccessModel,
+    SuccessModelConfig,
+    build_obs_model,
+    pretrained_mismatch,
+)
 from relayrl.models.world_model.serving import WorldModel, world_model_replies
 from relayrl.observability.metrics import MetricsLog, RunTally, say
 from relayrl.recovery import DEATHS, Recovery, alive
@@ -126,6 +133,9 @@ class EmbodiedWorkload:
         vla = vla_config(cfg, views, space.dims, space.vocab)
         if cfg.vla.path is not None:
             check_saved_vla(cfg.vla.path, vla)
+        if self.imagining and cfg.world_model.path is not None:
+            wanted = world_model_configs(cfg, views, space.dims, space.vocab)
+            check_saved_world_model(cfg.world_model.path, *wanted)
         ranks, replicas = cfg.trainer.ranks, cfg.inference.replicas
         roles = {
             "trainer": (ranks, cfg.trainer.resources),
@@ -218,6 +228,7 @@ class EmbodiedWorkload:
             cache_episodes=cfg.imagination.cache_episodes,
             context_frames=wm.context_frames,
             threshold=wm.threshold,
+            fail_threshold=wm.failure_threshold,
             max_steps=wm.max_steps,
             terminal_reward=wm.terminal_reward,
             segment_len=cfg.rollout.segment_len,
@@ -837,6 +848,22 @@ def check_saved_vla(path: str, wanted: VLAConfig) -> None:
             f"vla.path={path!r}: the saved policy has other sizes than this run's vla and env "
             f"settings: {', '.join(differ)}"
         )
+
+
+def check_saved_world_model(path: str, obs: ObsModelConfig, reward: SuccessModelConfig) -> None:
+    """Raise ``ConfigError`` unless ``world_model.path`` holds models whose weights fit this
+    run's ``obs`` and ``reward`` configs."""
+    for part, wanted in (("observation", obs), ("reward", reward)):
+        try:
+            differ = pretrained_mismatch(Path(path) / part, wanted)
+        except (FileNotFoundError, TypeError, ValueError) as err:
+            raise ConfigError(f"world_model.path={path!r}: {err}") from err
+        if differ:
+            raise ConfigError(
+                f"world_model.path={path!r}: {part}/ was saved with other sizes than this run's "
+                f"world_model and env settings: {', '.join(differ)}; set them to match or "
+                "pretrain again"
+            )
 
 
 WASTE_WARN_FRACTION = 0.25  # imagined env steps dropped before training, above which we warn

@@ -78,6 +78,36 @@ def load_pretrained(path: str | Path) -> ObservationModel | SuccessModel:
     return model
 
 
+def pretrained_mismatch(path: str | Path, wanted: ObsModelConfig | SuccessModelConfig) -> list[str]:
+    """``field=saved (this run: wanted)`` for every config field in which the model saved in the
+    folder ``path`` differs from ``wanted``, if its weights do not fit a model of ``wanted``
+    (settings that leave every weight's shape alone, such as sampling steps, may differ); raises
+    ``FileNotFoundError`` naming what is missing."""
+    folder = Path(path)
+    missing = [n for n in ("config.json", "model.safetensors") if not (folder / n).is_file()]
+    if missing:
+        raise FileNotFoundError(
+            f"{folder} is not a saved world model part: {' and '.join(missing)} missing "
+            "(relayrl wm pretrain writes both)"
+        )
+    saved = json.loads((folder / "config.json").read_text())
+    saved.pop("model", None)
+    fresh = (
+        SuccessModel(wanted) if isinstance(wanted, SuccessModelConfig) else build_obs_model(wanted)
+    )
+    shapes = {k: list(v.shape) for k, v in fresh.state_dict().items()}
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+        stored = {k: list(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
+    if stored == shapes:
+        return []
+    differ = [
+        f"{k}={saved.get(k)!r} (this run: {v!r})"
+        for k, v in asdict(wanted).items()
+        if saved.get(k) != v
+    ]
+    return differ or ["the weights' shapes (the saved config.json does not say why)"]
+
+
 def saved_version(path: str | Path) -> int:
     """The weight version ``save_pretrained`` recorded in the folder ``path``."""
     with safe_open(str(Path(path) / "model.safetensors"), framework="pt") as f:
@@ -101,6 +131,7 @@ __all__ = [
     "imagined_reward",
     "imagined_termination",
     "load_pretrained",
+    "pretrained_mismatch",
     "save_pretrained",
     "saved_version",
     "start_context",

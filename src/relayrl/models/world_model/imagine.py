@@ -3,7 +3,8 @@ stepped together.
 
 Each step asks the policy for action tokens on the newest frame, predicts the next frame with
 M_obs from the last K frames and actions, judges it with M_reward, and ends an episode by
-``imagined_termination`` (success at the threshold, or cut at the step cap), rewarding it by
+``imagined_termination`` (success at the threshold, failure at the failure head's threshold, or
+cut at the step cap), rewarding it by
 ``imagined_reward``. Only the episodes still running are stepped; an ended one keeps its last
 frame and gets reward 0 from then on.
 
@@ -61,14 +62,25 @@ class Imagined:
     actions: Tensor  # int64 [B, T, D]
     rewards: Tensor  # float32 [B, T]: imagined_reward; 0 after an episode ended
     probs: Tensor  # float32 [B, T + 1]: M_reward's success probability of each frame
-    terminated: Tensor  # bool [B, T]: ended in success at this step
+    succeeded: Tensor  # bool [B, T]: ended in success at this step
+    failed: Tensor  # bool [B, T]: ended in failure at this step (the failure head)
     truncated: Tensor  # bool [B, T]: cut at the step cap at this step
     lengths: Tensor  # int64 [B]: steps each episode took
 
     @property
+    def terminated(self) -> Tensor:
+        """bool [B, T]: ended at this step, in success or in failure."""
+        return self.succeeded | self.failed
+
+    @property
     def success(self) -> Tensor:
         """bool [B]: the episode ended in success."""
-        return self.terminated.any(dim=1)
+        return self.succeeded.any(dim=1)
+
+    @property
+    def failure(self) -> Tensor:
+        """bool [B]: the episode ended in failure."""
+        return self.failed.any(dim=1)
 
 
 @torch.no_grad()
@@ -83,13 +95,15 @@ def imagine(
     threshold: float,
     max_steps: int,
     terminal_reward: float,
+    fail_threshold: float = 1.0,
     start_steps: Tensor | None = None,
     generator: torch.Generator | None = None,
 ) -> Imagined:
     """Imagined episodes from real start contexts: ``frames`` uint8 [B, K, V, H, W, 3] (the last
     is the start frame) and the K - 1 ``past_actions`` int64 [B, K - 1, D] before it (as
     ``start_context`` gives them), one instruction each; ``start_steps`` [B] are the episodes'
-    step counts at the start frame (0 by default), what the policy is told."""
+    step counts at the start frame (0 by default), what the policy is told. Episodes end in
+    failure where the reward model's failure head reaches ``fail_threshold``."""
     batch, k = frames.shape[:2]
     if k != obs_model.cfg.context_frames or len(instructions) != batch:
         raise ValueError(
@@ -103,7 +117,7 @@ def imagine(
     context, past = frames.clone(), past_actions.long().clone()
     prob = reward_model.success_prob(frames[:, -1], ids).cpu()
     out_frames, out_probs = [frames[:, -1].clone()], [prob.clone()]
-    out_actions, out_rewards, out_term, out_trunc = [], [], [], []
+    out_actions, out_rewards, out_succ, out_fail, out_trunc = [], [], [], [], []
     running = torch.ones(batch, dtype=torch.bool)
     lengths = torch.zeros(batch, dtype=torch.int64)
     dims = past.shape[-1]
@@ -117,11 +131,16 @@ def imagine(
         ).long()
         action_window = torch.cat([past[live], tokens.view(-1, 1, dims)], dim=1)
         nxt = obs_model.predict(context[live], action_window, generator=generator).cpu()
-        next_prob = reward_model.success_prob(nxt, ids[live]).cpu()
-        terminated, truncated = imagined_termination(
-            next_prob, lengths[live] + 1, threshold=threshold, max_steps=max_steps
+        next_prob, next_fail = (p.cpu() for p in reward_model.probs(nxt, ids[live]))
+        succeeded, failed, truncated = imagined_termination(
+            next_prob,
+            lengths[live] + 1,
+            threshold=threshold,
+            max_steps=max_steps,
+            next_fail=next_fail,
+            fail_threshold=fail_threshold,
         )
-        reward = imagined_reward(prob[live], next_prob, terminated, terminal_reward=terminal_reward)
+        reward = imagined_reward(prob[live], next_prob, succeeded, terminal_reward=terminal_reward)
 
         frame_t = out_frames[-1].clone()
         frame_t[live] = nxt
@@ -129,28 +148,27 @@ def imagine(
         action_t[live] = tokens
         reward_t = torch.zeros(batch)
         reward_t[live] = reward.float()
-        term_t = torch.zeros(batch, dtype=torch.bool)
-        term_t[live] = terminated
-        trunc_t = torch.zeros(batch, dtype=torch.bool)
-        trunc_t[live] = truncated
+        for out, ended in ((out_succ, succeeded), (out_fail, failed), (out_trunc, truncated)):
+            ended_t = torch.zeros(batch, dtype=torch.bool)
+            ended_t[live] = ended
+            out.append(ended_t)
         out_frames.append(frame_t)
         out_actions.append(action_t)
         out_rewards.append(reward_t)
-        out_term.append(term_t)
-        out_trunc.append(trunc_t)
 
         context[live] = torch.cat([context[live, 1:], nxt[:, None]], dim=1)
         past[live] = action_window[:, 1:]
         prob[live] = next_prob
         out_probs.append(prob.clone())
         lengths[live] += 1
-        running[live] = ~(terminated | truncated)
+        running[live] = ~(succeeded | failed | truncated)
     return Imagined(
         frames=torch.stack(out_frames, 1),
         actions=_stack(out_actions, (batch, 0, dims), torch.int64),
         rewards=_stack(out_rewards, (batch, 0), torch.float32),
         probs=torch.stack(out_probs, 1),
-        terminated=_stack(out_term, (batch, 0), torch.bool),
+        succeeded=_stack(out_succ, (batch, 0), torch.bool),
+        failed=_stack(out_fail, (batch, 0), torch.bool),
         truncated=_stack(out_trunc, (batch, 0), torch.bool),
         lengths=lengths,
     )

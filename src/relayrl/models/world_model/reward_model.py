@@ -1,10 +1,16 @@
-"""M_reward: the probability that a frame shows the instruction achieved.
+"""M_reward: the probability that a frame shows the instruction achieved and, with the failure
+head, the probability that it ends the episode unsuccessfully.
 
 A small convolutional classifier. The instruction is read as the policy reads it (the word ids
 of ``relayrl.models.vla.tokenize_instructions``), averaged into one vector that modulates every
 convolution (FiLM, as the policy's encoder does: conditioning the pixels on the instruction early
 is what lets one frame be a success for one instruction and a failure for another). The final
 feature map is flattened, so where things are in the frame reaches the output directly.
+
+The failure head is a second logit of the same classifier: a failure frame is the last frame of an
+episode the env ended without success (BabyAI's ``env.distractor_fails``, a robot dropping the
+object). Imagined episodes end on it as real ones do; without it every imagined episode that does
+not succeed runs to the step cap, so imagination overrates a policy that fails early.
 """
 
 from __future__ import annotations
@@ -35,10 +41,18 @@ class SuccessModelConfig:
     """Most instruction words kept (as the policy's ``VLAConfig.instruction_tokens``)."""
     hash_buckets: int = 128
     """Ids for words outside the built-in vocabulary (as the policy's)."""
+    failure_head: bool = False
+    """A second output: the probability that the frame ends the episode unsuccessfully."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.failure_head, bool):
+            raise ValueError(
+                f"SuccessModelConfig.failure_head must be a bool, got {self.failure_head!r}"
+            )
         for f in fields(self):
             value = getattr(self, f.name)
+            if f.name == "failure_head":
+                continue
             if not isinstance(value, int) or value < 1:
                 raise ValueError(
                     f"SuccessModelConfig.{f.name} must be a positive int, got {value!r}"
@@ -56,10 +70,12 @@ class SuccessLabels:
     frames: Tensor  # uint8 or float in [0, 1], [B, V, H, W, 3]
     instruction_ids: Tensor  # int64 [B, S], from ``SuccessModel.tokenize``
     success: Tensor  # bool or float in {0, 1}, [B]
+    failure: Tensor | None = None  # bool [B]: the frame ends its episode unsuccessfully
 
 
 class SuccessModel(nn.Module):
-    """M_reward: success logits of frames given instructions."""
+    """M_reward: success (and, with the failure head, failure) logits of frames given
+    instructions."""
 
     def __init__(self, cfg: SuccessModelConfig) -> None:
         super().__init__()
@@ -74,7 +90,7 @@ class SuccessModel(nn.Module):
             nn.init.zeros_(film.weight)
             nn.init.zeros_(film.bias)
         self.hidden = nn.Linear(c * (cfg.image_size // 4) ** 2, h)
-        self.out = nn.Linear(h, 1)
+        self.out = nn.Linear(h, 1 + cfg.failure_head)
 
     def tokenize(self, instructions: list[str]) -> Tensor:
         """Instructions to word ids int64 [B, S], as the policy tokenizes them."""
@@ -88,6 +104,10 @@ class SuccessModel(nn.Module):
     def forward(self, frames: Tensor, instruction_ids: Tensor) -> Tensor:
         """Success logits [B] of ``frames`` [B, V, H, W, 3] (uint8, or float in [0, 1]) given
         ``instruction_ids`` int64 [B, S]."""
+        return self.logits(frames, instruction_ids)[:, 0]
+
+    def logits(self, frames: Tensor, instruction_ids: Tensor) -> Tensor:
+        """Logits [B, 1 + failure_head]: success, then failure with the failure head."""
         shape = (self.cfg.views, self.cfg.image_size, self.cfg.image_size, 3)
         if frames.dim() != 5 or tuple(frames.shape[1:]) != shape:
             raise ValueError(
@@ -107,14 +127,29 @@ class SuccessModel(nn.Module):
         for conv, film in zip(self.convs, self.films, strict=True):
             scale, shift = film(mission)[..., None, None].chunk(2, dim=1)
             x = F.silu(conv(x) * (1 + scale) + shift)
-        return self.out(F.silu(self.hidden(x.flatten(1)))).squeeze(-1)
+        return self.out(F.silu(self.hidden(x.flatten(1))))
 
     @torch.no_grad()
     def success_prob(self, frames: Tensor, instruction_ids: Tensor) -> Tensor:
         """The probability [B] in [0, 1] that each frame shows its instruction achieved."""
         return torch.sigmoid(self(frames, instruction_ids).float())
 
+    @torch.no_grad()
+    def probs(self, frames: Tensor, instruction_ids: Tensor) -> tuple[Tensor, Tensor]:
+        """(success, failure) probabilities [B] each; failure is 0 without the failure head."""
+        p = torch.sigmoid(self.logits(frames, instruction_ids).float())
+        failure = p[:, 1] if self.cfg.failure_head else torch.zeros_like(p[:, 0])
+        return p[:, 0], failure
+
     def loss(self, batch: SuccessLabels) -> Tensor:
-        """Binary cross-entropy of the success logits against the labels."""
-        logits = self(batch.frames, batch.instruction_ids)
-        return F.binary_cross_entropy_with_logits(logits, batch.success.to(logits).float())
+        """Binary cross-entropy of the success logits against the labels, plus that of the
+        failure logits with the failure head (which needs ``batch.failure``)."""
+        logits = self.logits(batch.frames, batch.instruction_ids)
+        loss = F.binary_cross_entropy_with_logits(logits[:, 0], batch.success.to(logits).float())
+        if not self.cfg.failure_head:
+            return loss
+        if batch.failure is None:
+            raise ValueError("a reward model with the failure head needs SuccessLabels.failure")
+        return loss + F.binary_cross_entropy_with_logits(
+            logits[:, 1], batch.failure.to(logits).float()
+        )

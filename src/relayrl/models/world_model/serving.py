@@ -2,7 +2,8 @@
 version, and the batch function an ``InferenceService`` answers imagination requests with.
 
 A request asks for the next frame of one imagined episode (its last K frames and actions, and its
-instruction); the reply holds the predicted frame and M_reward's success probability of it. A
+instruction); the reply holds the predicted frame and M_reward's success and failure probabilities
+of it. A
 request without actions only asks for the probability of its last frame (an imagined episode's
 real start frame). Requests of one batch are answered by one M_obs pass and one M_reward pass.
 """
@@ -44,6 +45,7 @@ class WMReply:
 
     frame: np.ndarray | None  # uint8 [V, H, W, 3]: the predicted o_{t+1}; None if judged only
     prob: float  # M_reward's success probability of the predicted frame (or of o_t)
+    fail: float  # its failure probability (0 without the failure head)
     version: int  # world-model version of the weights that answered
 
 
@@ -69,5 +71,8 @@ def world_model_replies(
             [frames[i] if i in frames else r.context[-1] for i, r in enumerate(requests)]
         )
         ids = model.reward.tokenize([r.instruction for r in requests])
-        probs = model.reward.success_prob(torch.from_numpy(judged), ids).float().cpu().numpy()
-    return [WMReply(frames.get(i), float(probs[i]), version) for i in range(len(requests))]
+        probs, fails = (p.cpu().numpy() for p in model.reward.probs(torch.from_numpy(judged), ids))
+    return [
+        WMReply(frames.get(i), float(probs[i]), float(fails[i]), version)
+        for i in range(len(requests))
+    ]
