@@ -52,6 +52,7 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import provenance, relative, save_result  # noqa: E402
 
+from relayrl.cli import install_stop_handlers  # noqa: E402
 from relayrl.config import load_config  # noqa: E402
 from relayrl.job import train  # noqa: E402
 from relayrl.wm.collect import collect  # noqa: E402
@@ -76,6 +77,7 @@ IMAGINED = "samples/imagined_trained_total"
 def main(argv: list[str] | None = None) -> int:
     """Run the phases not yet in ``--work``, then both arms; write the JSON, plot and table."""
     args = parse_args(argv)
+    install_stop_handlers()  # Ctrl-C or SIGTERM ends an arm with a checkpoint, as in a run
     args.work.mkdir(parents=True, exist_ok=True)
     result = {
         "benchmark": NAME,
@@ -283,12 +285,12 @@ def run_arm(args: argparse.Namespace, arm: str, policy: str, world_model: str) -
     run_dir = folder / "run"
     summary_path = run_dir / "summary.json"
     if summary_path.is_file() and json.loads(summary_path.read_text())["status"] == "interrupted":
-        # An arm stopped with Ctrl-C: report what it reached (a rerun keeps it).
+        # An arm stopped with Ctrl-C or SIGTERM: report what it reached (a rerun keeps it).
         summary = json.loads(summary_path.read_text())
         _say(f"{arm}: kept, interrupted after step {summary['steps']}")
         return _finish(folder, _arm_record(args, run_dir, summary, None))
     cfg = _arm_config(args, extra)
-    _say(f"{arm}: {args.steps} steps (Ctrl-C ends it early and reports what it reached)")
+    _say(f"{arm}: {args.steps} steps (Ctrl-C or SIGTERM ends it early, reporting its reach)")
     start = time.time()
     try:
         with contextlib.redirect_stdout(sys.stderr):
@@ -413,10 +415,12 @@ def markdown_table(result: dict) -> str:
         f"World model ({result['offline']['backend']}) on random-policy S7N4 episodes: per-step "
         f"PSNR {obs['psnr']:.1f} dB (copy last frame {obs['copy_last_psnr']:.1f}); at "
         f"{roll['horizon']} steps {_db(psnr_h)} (copy {_db(copy_h)}); success AUC "
-        f"{_num(off['reward'].get('auc'))}. Start policy success imagined "
+        f"{_num(off['reward'].get('auc'))}, failure AUC "
+        f"{_num((off['reward'].get('failure') or {}).get('auc'))}. Start policy success imagined "
         f"{pol['imagined_success']:.2f} vs real {pol['real_success']:.2f} (agreement "
-        f"{pol['outcome_agreement']:.2f}); random policy {rnd['imagined_success']:.2f} vs "
-        f"{rnd['real_success']:.2f}.",
+        f"{pol['outcome_agreement']:.2f}; failed before the cap "
+        f"{pol.get('imagined_failed_early', 0):.2f} imagined vs {pol['real_failed_early']:.2f} "
+        f"real); random policy {rnd['imagined_success']:.2f} vs {rnd['real_success']:.2f}.",
         "",
         f"Command: `{result['command']}`.",
     ]

@@ -357,3 +357,19 @@ def test_resume_of_a_directory_without_a_checkpoint_exits_2_and_says_so(tmp_path
     assert "no usable checkpoint" in capsys.readouterr().err
     assert cli.main(["train", "--resume", str(tmp_path / "nowhere")]) == 2
     assert "not a run directory" in capsys.readouterr().err
+
+
+def test_sigint_and_sigterm_stop_a_run_through_one_handler():
+    import signal
+
+    before = {s: signal.getsignal(s) for s in cli.STOP_SIGNALS}
+    try:
+        cli.install_stop_handlers()
+        handlers = {signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+        assert handlers == {cli._interrupt}
+        # Outside a run's loop there is no step to finish: the signal stops at once.
+        with pytest.raises(KeyboardInterrupt):
+            cli._interrupt(signal.SIGTERM, None)
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)

@@ -127,7 +127,9 @@ def test_a_run_killed_three_times_resumes_to_the_uninterrupted_result(uninterrup
     assert [r["step"] for r in records if "samples/trained" in r] == list(range(1, 8))
 
 
-def test_ctrl_c_writes_a_checkpoint_that_resume_finishes_from(tmp_path):
+def test_sigterm_writes_a_checkpoint_that_resume_finishes_from(tmp_path):
+    """SIGTERM (what ``kill`` and batch schedulers send) stops a run as Ctrl-C does: the same
+    handler (``cli.install_stop_handlers``) writes a checkpoint after the step in progress."""
     run_dir = tmp_path / "run"
     # Steps of this tiny run take milliseconds: 400 of them outlast the wait for the first.
     run = [*RUN, "steps=400", "run.checkpoint_every=0"]
@@ -138,8 +140,11 @@ def test_ctrl_c_writes_a_checkpoint_that_resume_finishes_from(tmp_path):
             if metrics.exists() and '"samples/trained"' in metrics.read_text():
                 break
             time.sleep(0.2)
-        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole group
-        assert proc.wait(timeout=120) == 130, (tmp_path / "interrupted.log").read_text()
+        os.kill(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=120) == 128 + signal.SIGTERM, (
+            tmp_path / "interrupted.log"
+        ).read_text()
+    assert "SIGTERM: stopping after this step" in (tmp_path / "interrupted.log").read_text()
     assert _wait_gone(proc.pid) == []
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "interrupted" and summary["resume"].endswith(str(run_dir))

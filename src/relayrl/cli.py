@@ -252,16 +252,12 @@ def _run(cfg: Any, run_dir: Path, *, resume: bool) -> int:
     from relayrl.job import train as run_training
     from relayrl.launch import RayStartError
 
-    # asyncio.run's own Ctrl-C handler only cancels the loop's main task, which then waits on the
-    # tasks it cancels; once a run ignored two Ctrl-Cs that way. The handler asks the RL loop to
-    # checkpoint and stop after its step; a second Ctrl-C (or one outside the loop) raises at once
-    # in the main thread, and so out of the event loop.
-    signal.signal(signal.SIGINT, _interrupt)
+    install_stop_handlers()
     try:
         run_training(cfg, run_dir, resume=resume)
     except KeyboardInterrupt:
         print(f"relayrl: interrupted; partial results in {run_dir}", file=sys.stderr)
-        return 130
+        return 128 + _STOPPED_BY[-1] if _STOPPED_BY else 130
     except RayStartError as err:
         # 1, not the 2 of a refused command line: the run began (summary.json says failed)
         print(f"relayrl: {err}", file=sys.stderr)
@@ -299,12 +295,33 @@ def _claim_run_dir(given: str | None, overwrite: bool, out_dir: str, name: str) 
     raise AssertionError("itertools.count never ends")
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+"""Signals that stop a run as Ctrl-C does: a terminal's Ctrl-C, and a scheduler's or ``kill``'s
+SIGTERM (a batch system sends it before SIGKILL)."""
+_STOPPED_BY: list[int] = []  # the signals received, in order
+
+
+def install_stop_handlers() -> None:
+    """Make SIGINT and SIGTERM stop a run with a checkpoint (the first) or at once (the second).
+
+    asyncio.run's own Ctrl-C handler only cancels the loop's main task, which then waits on the
+    tasks it cancels; once a run ignored two Ctrl-Cs that way. The handler asks the RL loop to
+    checkpoint and stop after its step; a second signal (or one outside the loop) raises at once
+    in the main thread, and so out of the event loop. Installing it also undoes the SIGINT a
+    shell's background job starts with ignored.
+    """
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, _interrupt)
+
+
 def _interrupt(signum: int, frame: object) -> None:
     from relayrl.checkpoint import Checkpointer
 
+    _STOPPED_BY.append(signum)
+    name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
     if Checkpointer.request_stop():
         print(
-            "\nrelayrl: stopping after this step to write a checkpoint (Ctrl-C again: stop now)",
+            f"\nrelayrl: {name}: stopping after this step to write a checkpoint (again: stop now)",
             file=sys.stderr,
             flush=True,
         )
