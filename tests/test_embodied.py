@@ -295,7 +295,7 @@ def test_a_pretrained_world_model_of_other_sizes_is_refused_naming_them(tmp_path
     save_pretrained(SuccessModel(reward), tmp_path / "reward")
     check_saved_world_model(str(tmp_path), obs, reward)  # the same sizes pass
     with_head = SuccessModelConfig(image_size=16, channels=8, hidden=16, failure_head=True)
-    with pytest.raises(ConfigError, match=r"reward/ was saved .*failure_head=False \(this run"):
+    with pytest.raises(ConfigError, match=r"reward/ has other sizes .*failure_head=False \(this"):
         check_saved_world_model(str(tmp_path), obs, with_head)
     with pytest.raises(ConfigError, match="world_model.path=.*config.json and model.safetens"):
         check_saved_world_model(str(tmp_path / "nothing"), obs, reward)

@@ -839,31 +839,37 @@ class TaskChoice:
 
 def check_saved_vla(path: str, wanted: VLAConfig) -> None:
     """Raise ``ConfigError`` unless ``vla.path`` holds a saved policy of ``wanted``'s sizes."""
-    try:
-        differ = vla_mismatch(saved_vla_config(path), wanted)
-    except (FileNotFoundError, TypeError, ValueError) as err:
-        raise ConfigError(f"vla.path={path!r}: {err}") from err
-    if differ:
-        raise ConfigError(
-            f"vla.path={path!r}: the saved policy has other sizes than this run's vla and env "
-            f"settings: {', '.join(differ)}"
-        )
+    _refuse_mismatch(
+        "vla.path",
+        path,
+        "the saved policy",
+        "vla and env",
+        lambda: vla_mismatch(saved_vla_config(path), wanted),
+    )
 
 
 def check_saved_world_model(path: str, obs: ObsModelConfig, reward: SuccessModelConfig) -> None:
     """Raise ``ConfigError`` unless ``world_model.path`` holds models whose weights fit this
     run's ``obs`` and ``reward`` configs."""
     for part, wanted in (("observation", obs), ("reward", reward)):
-        try:
-            differ = pretrained_mismatch(Path(path) / part, wanted)
-        except (FileNotFoundError, TypeError, ValueError) as err:
-            raise ConfigError(f"world_model.path={path!r}: {err}") from err
-        if differ:
-            raise ConfigError(
-                f"world_model.path={path!r}: {part}/ was saved with other sizes than this run's "
-                f"world_model and env settings: {', '.join(differ)}; set them to match or "
-                "pretrain again"
-            )
+        found = functools.partial(pretrained_mismatch, Path(path) / part, wanted)
+        _refuse_mismatch("world_model.path", path, f"{part}/", "world_model and env", found)
+
+
+def _refuse_mismatch(
+    field: str, path: str, what: str, settings: str, differ: Callable[[], list[str]]
+) -> None:
+    """``ConfigError`` naming ``field`` if ``differ()`` fails or lists sizes of the model saved
+    at ``path`` that differ from the run's ``settings``."""
+    try:
+        found = differ()
+    except (FileNotFoundError, TypeError, ValueError) as err:
+        raise ConfigError(f"{field}={path!r}: {err}") from err
+    if found:
+        raise ConfigError(
+            f"{field}={path!r}: {what} has other sizes than this run's {settings} settings: "
+            f"{', '.join(found)}"
+        )
 
 
 WASTE_WARN_FRACTION = 0.25  # imagined env steps dropped before training, above which we warn
