@@ -1,7 +1,7 @@
 """Real env steps to S7N4 success with and without the world model, from the same policy.
 
 Phases, each kept in ``--work`` so that a rerun skips what is done (delete a phase's folder to
-redo it):
+redo it; delete only an arm's ``done.json`` to report its finished run again):
 
 1. ``start``: the starting policy. ``relayrl train configs/babyai.yaml`` for ``--start-steps``
    steps (the curriculum run, stopped early); its ``checkpoint/`` is what both arms load with
@@ -72,6 +72,7 @@ TARGET_LEVEL = "BabyAI-GoToLocalS7N4-v0"
 OFFLINE_LEVELS = ["BabyAI-GoToLocalS5N2-v0", "BabyAI-GoToLocalS6N3-v0"]
 QUIET = ["log.progress=false", "log.tensorboard=false"]
 IMAGINED = "samples/imagined_trained_total"
+ENDED = ("finished", "interrupted")  # an arm's run in one of these is reported, not run again
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -284,11 +285,13 @@ def run_arm(args: argparse.Namespace, arm: str, policy: str, world_model: str) -
         extra += [f"world_model.path={world_model}", *args.wm_set]
     run_dir = folder / "run"
     summary_path = run_dir / "summary.json"
-    if summary_path.is_file() and json.loads(summary_path.read_text())["status"] == "interrupted":
-        # An arm stopped with Ctrl-C or SIGTERM: report what it reached (a rerun keeps it).
+    if summary_path.is_file() and json.loads(summary_path.read_text())["status"] in ENDED:
+        # An arm stopped with Ctrl-C or SIGTERM, or one whose done.json was deleted to report it
+        # again: report it from its run directory (a rerun keeps it).
         summary = json.loads(summary_path.read_text())
-        _say(f"{arm}: kept, interrupted after step {summary['steps']}")
-        return _finish(folder, _arm_record(args, run_dir, summary, None))
+        _say(f"{arm}: kept, {summary['status']} after step {summary['steps']}")
+        wall = summary.get("wall_clock_s")
+        return _finish(folder, _arm_record(args, run_dir, summary, wall))
     cfg = _arm_config(args, extra)
     _say(f"{arm}: {args.steps} steps (Ctrl-C or SIGTERM ends it early, reporting its reach)")
     start = time.time()
@@ -334,9 +337,24 @@ def _arm_record(args: argparse.Namespace, run_dir: Path, summary: dict, wall: fl
         "real_steps_to_target": None if reached is None else reached[1],
         "rl_time_to_target_s": None if reached is None else reached[0],
         "busy": summary.get("perf", {}).get("busy"),
+        "episodes": _episodes(summary),
         "world_model": summary.get("world_model"),
         "curve": curve,
     }
+
+
+def _episodes(summary: dict) -> dict:
+    """The arm's real and imagined training episodes: count, success rate, mean length."""
+    rollout, imagined = summary.get("rollout") or {}, summary.get("imagined_samples") or {}
+    out = {}
+    for kind, n, rate, steps in (
+        ("real", rollout.get("episodes"), (rollout.get("success_rate") or {}).get("overall"), None),
+        ("imagined", imagined.get("episodes"), imagined.get("success_rate"), "generated"),
+    ):
+        if n:
+            total = imagined.get(steps) if steps else summary["samples"]["generated"]
+            out[kind] = {"episodes": n, "success_rate": rate, "mean_length": total / n}
+    return out
 
 
 def plot(result: dict, path: Path) -> Path:
@@ -397,7 +415,8 @@ def markdown_table(result: dict) -> str:
             f"| {arm} | {r['start_success']:.2f} -> {r['best_success']:.2f} -> "
             f"{r['final_success']:.2f} | {k(r['real_steps_to_target'])} "
             f"| {minutes(r['rl_time_to_target_s'])} | {k(r['real_env_steps'])} "
-            f"| {k(r['imagined_trained'])} | {minutes(r['wall_clock_s'])} | {r['accounted']} |"
+            f"| {'-' if not r['imagined_trained'] else k(r['imagined_trained'])} "
+            f"| {minutes(r['wall_clock_s'])} | {r['accounted']} |"
         )
     ratio = result["real_steps_ratio"]
     off = result["offline"]["target_level"]
@@ -421,10 +440,23 @@ def markdown_table(result: dict) -> str:
         f"{pol['outcome_agreement']:.2f}; failed before the cap "
         f"{pol.get('imagined_failed_early', 0):.2f} imagined vs {pol['real_failed_early']:.2f} "
         f"real); random policy {rnd['imagined_success']:.2f} vs {rnd['real_success']:.2f}.",
+        *_episode_lines(result["world_model"].get("episodes") or {}),
         "",
         f"Command: `{result['command']}`.",
     ]
     return "\n".join(rows)
+
+
+def _episode_lines(episodes: dict) -> list[str]:
+    """The world-model arm's training episodes, real beside imagined, as a paragraph."""
+    if "imagined" not in episodes:
+        return []
+    parts = [
+        f"{kind} {e['episodes']} episodes, success {e['success_rate']:.2f}, mean length "
+        f"{e['mean_length']:.1f} steps"
+        for kind, e in episodes.items()
+    ]
+    return ["", f"World-model arm's training episodes: {'; '.join(parts)}."]
 
 
 def _db(x: float | None) -> str:
