@@ -14,7 +14,9 @@ import dataclasses
 import functools
 import os
 import random
+import signal
 import socket
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -152,9 +154,19 @@ def remote_class(cls: type) -> Any:
 
 def start_ray(cfg: Config) -> None:
     """Join ``cfg.ray.address`` or start an embedded single-node Ray on loopback; raises
-    ``RayStartError`` when neither works."""
+    ``RayStartError`` when neither works. A SIGTERM handler the process had (``relayrl train``
+    stops with a checkpoint on SIGTERM) is kept: ``ray.init`` replaces it with one that exits."""
     if ray.is_initialized():
         return
+    on_sigterm = signal.getsignal(signal.SIGTERM)
+    try:
+        _start_ray(cfg)
+    finally:
+        if callable(on_sigterm) and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, on_sigterm)
+
+
+def _start_ray(cfg: Config) -> None:
     address = cfg.ray.address
     if address is not None:
         # A Ray Client address (ray://, or in RAY_ADDRESS, which ray.init reads for auto) gives
