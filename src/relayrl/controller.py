@@ -338,9 +338,10 @@ async def run_streaming(
     Every worker loops observe -> ``act`` on its inference replica (dynamically batched with the
     other workers' requests) -> step, and puts each closed segment into the replay buffer. The
     next super-batch is fetched from the buffer while the current one trains (the buffer drops
-    segments more than ``max_staleness`` versions older than the trainer's version when the fetch
-    starts; the trainer checks again); after each step the new weights go to every inference
-    replica, which drains its forward pass in flight before swapping them in. Returns the env
+    segments more than ``max_staleness`` versions older than the version the trainer will have
+    when it takes them, one more than when the fetch starts; the trainer checks again); after
+    each step the new weights go to every inference replica, which drains its forward pass in
+    flight before swapping them in. Returns the env
     steps of the super-batch fetched but never trained, and the buffer occupancy after each step.
     """
     runs = WorkerRuns(w, w.recovery, BufferSink(w.replay_buffer))
@@ -357,7 +358,9 @@ async def run_streaming(
         await _first_or_raise(ready, [runs.watch])
         trainer_idle.wait("replay", start, time.time())
         segments_refs = batch_refs
-        batch_refs = w.fetch(version)
+        # Trained after the step now starting, by a trainer one version on: fetched for that one,
+        # or the oldest segments the buffer hands out (lag max_staleness now) arrive stale.
+        batch_refs = w.fetch(version + 1)
         result = await _first_or_raise(_train_step(w.trainer, *segments_refs), [runs.watch])
         version = result.version
         if result.stepped:
