@@ -313,14 +313,23 @@ def saved_vla_config(path: str | Path) -> VLAConfig:
     """The ``VLAConfig`` of the saved policy in the folder ``path`` (``vla_config.json`` and
     ``model.safetensors``, as an embodied run's ``RUN_DIR/checkpoint`` holds them); raises
     ``FileNotFoundError`` naming what is missing."""
-    folder = Path(path)
-    missing = [n for n in ("vla_config.json", "model.safetensors") if not (folder / n).is_file()]
-    if missing:
-        raise FileNotFoundError(
-            f"{path} is not a saved VLA policy: {' and '.join(missing)} missing (an embodied "
-            "run's RUN_DIR/checkpoint holds both)"
-        )
+    folder = require_files(
+        path,
+        ("vla_config.json", "model.safetensors"),
+        "a saved VLA policy",
+        "an embodied run's RUN_DIR/checkpoint holds both",
+    )
     return VLAConfig(**json.loads((folder / "vla_config.json").read_text()))
+
+
+def require_files(path: str | Path, names: tuple[str, ...], what: str, hint: str) -> Path:
+    """The folder ``path``; ``FileNotFoundError`` naming which of ``names`` it lacks to be
+    ``what``, with ``hint`` on where such a folder comes from."""
+    folder = Path(path)
+    missing = [n for n in names if not (folder / n).is_file()]
+    if missing:
+        raise FileNotFoundError(f"{path} is not {what}: {' and '.join(missing)} missing ({hint})")
+    return folder
 
 
 def vla_mismatch(saved: VLAConfig, wanted: VLAConfig) -> list[str]:

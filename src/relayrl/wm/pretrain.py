@@ -129,15 +129,16 @@ def frame_index(episodes: list[Episode], chosen: np.ndarray) -> tuple[np.ndarray
     """[N, 2] (episode, frame) of every frame of the ``chosen`` episodes, and each frame's
     outcome int8 [N]: ``SUCCESS`` (the last frame of a successful episode), ``FAILURE`` (the
     last frame of an episode the env ended without success) or ``OTHER``."""
-    rows = [(e, t) for e in chosen for t in range(len(episodes[e].frames))]
-    index = np.asarray(rows, dtype=np.int64).reshape(-1, 2)
+    chosen = np.asarray(chosen, dtype=np.int64)
+    lengths = np.array([len(episodes[e].frames) for e in chosen], dtype=np.int64)
+    ends = np.cumsum(lengths)  # one past each episode's last frame
+    frame = np.arange(ends[-1] if len(ends) else 0) - np.repeat(ends - lengths, lengths)
+    index = np.stack([np.repeat(chosen, lengths), frame], axis=1)
     outcome = np.zeros(len(index), np.int8)
-    for i, (e, t) in enumerate(index):
-        episode = episodes[e]
-        if t == episode.steps and episode.success:
-            outcome[i] = SUCCESS
-        elif t == episode.steps and episode.terminated:
-            outcome[i] = FAILURE
+    outcome[ends - 1] = [
+        SUCCESS if episodes[e].success else FAILURE if episodes[e].terminated else OTHER
+        for e in chosen
+    ]
     return index, outcome
 
 
@@ -170,7 +171,7 @@ def labels(
     return SuccessLabels(frames, ids, torch.as_tensor(outcome == SUCCESS), failure)
 
 
-def head_scores(name: str, logits: torch.Tensor, positive: torch.Tensor) -> dict[str, Any]:
+def heldout_head(name: str, logits: torch.Tensor, positive: torch.Tensor) -> dict[str, Any]:
     """Held-out BCE and accuracy (all, positives, others) of one reward-model head's logits."""
     target = positive.bool()
     bce = torch.nn.functional.binary_cross_entropy_with_logits(logits, target.float())
@@ -267,9 +268,9 @@ def pretrain(
             "heldout/obs_mse": float(mse.mean()),
             "heldout/obs_psnr": psnr(float(mse.mean())),
             "heldout/copy_last_mse": float(copy.mean()),
-            **head_scores("reward", logits[:, 0], held_labels.success),
+            **heldout_head("reward", logits[:, 0], held_labels.success),
             **(
-                head_scores("failure", logits[:, 1], held_labels.failure)
+                heldout_head("failure", logits[:, 1], held_labels.failure)
                 if held_labels.failure is not None
                 else {}
             ),

@@ -21,6 +21,7 @@ from pathlib import Path
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from relayrl.models.vla import require_files
 from relayrl.models.world_model.base import ObservationModel, ObsModelConfig, Transitions
 from relayrl.models.world_model.deterministic import DeterministicObsModel
 from relayrl.models.world_model.diffusion import DiffusionObsModel
@@ -83,13 +84,12 @@ def pretrained_mismatch(path: str | Path, wanted: ObsModelConfig | SuccessModelC
     folder ``path`` differs from ``wanted``, if its weights do not fit a model of ``wanted``
     (settings that leave every weight's shape alone, such as sampling steps, may differ); raises
     ``FileNotFoundError`` naming what is missing."""
-    folder = Path(path)
-    missing = [n for n in ("config.json", "model.safetensors") if not (folder / n).is_file()]
-    if missing:
-        raise FileNotFoundError(
-            f"{folder} is not a saved world model part: {' and '.join(missing)} missing "
-            "(relayrl wm pretrain writes both)"
-        )
+    folder = require_files(
+        path,
+        ("config.json", "model.safetensors"),
+        "a saved world model part",
+        "relayrl wm pretrain writes both",
+    )
     saved = json.loads((folder / "config.json").read_text())
     saved.pop("model", None)
     fresh = (
