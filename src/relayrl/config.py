@@ -464,6 +464,12 @@ class EnvConfig(_Section):
     distractor_fails: bool = Field(
         True, description="babyai: facing an object the mission does not name fails the episode."
     )
+    view: Literal["egocentric", "full"] = Field(
+        "egocentric",
+        description="babyai: the image is the agent's 7 x 7-cell view (egocentric) or the whole "
+        "grid from above (full: objects stay in view, what a pixel world model needs; "
+        "env.image_size must be a multiple of the largest level's grid width in cells).",
+    )
     blind: bool = Field(
         False,
         description="Replace every instruction with one constant string: the instruction-blind "

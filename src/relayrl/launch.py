@@ -506,6 +506,7 @@ def _babyai(ec: EnvConfig, seed: int) -> EmbodiedEnv:
         ec.tasks,
         image_size=ec.image_size,
         distractor_fails=ec.distractor_fails,
+        view=ec.view,
         max_steps=ec.max_steps,
         seed=seed,
     )

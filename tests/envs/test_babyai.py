@@ -205,3 +205,31 @@ def test_the_rule_leaves_the_levels_solvable(level: str) -> None:
         if plan:
             wins += [env.step(a) for a in plan][-1].success
     assert wins >= 0.95 * n
+
+
+def test_full_view_keeps_the_grid_in_frame_and_a_turn_changes_only_the_agents_cell():
+    env = BabyAIEnv(LEVEL, image_size=28, view="full")
+    first = env.reset(seed=3).image
+    assert first.shape == (1, 28, 28, 3)
+    x, y = env._envs[LEVEL].unwrapped.agent_pos
+    turned = env.step(0).obs.image  # turn left: the agent stays in its cell
+    changed = np.argwhere((turned != first).any(axis=-1)[0])
+    assert len(changed) > 0
+    # S7N4's grid is 7 cells: 4-pixel tiles; every changed pixel lies in the agent's tile.
+    assert set(map(tuple, changed // 4)) == {(y, x)}
+    ego = BabyAIEnv(LEVEL, image_size=28)
+    before = ego.reset(seed=3).image
+    after = ego.step(0).obs.image
+    assert len(np.argwhere((after != before).any(axis=-1)[0])) > 2 * len(changed)
+
+
+def test_full_view_pads_a_smaller_grid_to_the_largest_levels_scale():
+    env = BabyAIEnv([LEVEL, "BabyAI-GoToLocalS5N2-v0"], image_size=28, view="full")
+    small = env.reset(task="BabyAI-GoToLocalS5N2-v0").image[0]
+    assert small.shape == (28, 28, 3)
+    assert small[20:].max() == 0 and small[:, 20:].max() == 0  # 5 cells of 4 pixels, then black
+    assert small[:4, :4].max() > 0  # the corner wall is drawn
+    with pytest.raises(ValueError, match="multiple of the 7-cell grid of the largest level"):
+        BabyAIEnv(LEVEL, image_size=24, view="full")
+    with pytest.raises(ValueError, match="view must be one of egocentric, full"):
+        BabyAIEnv(LEVEL, view="top")

@@ -1,4 +1,11 @@
-"""BabyAI (minigrid) behind ``EmbodiedEnv``: an RGB egocentric view and the mission string.
+"""BabyAI (minigrid) behind ``EmbodiedEnv``: an RGB image and the mission string.
+
+The image is the agent's egocentric 7 x 7-cell view (``view="egocentric"``, minigrid's
+``RGBImgPartialObsWrapper``), or the whole grid from above (``view="full"``, minigrid's
+``RGBImgObsWrapper`` without the view-cone highlight): every object stays in the frame whichever
+way the agent faces, so a pixel world model never has to imagine what lies outside the view. Full
+views of levels of different grid sizes share one scale: the tile is ``image_size`` divided by the
+largest grid of the env's levels, and a smaller grid is padded on the bottom and right with black.
 
 The distractor rule. In plain BabyAI GoTo levels the episode does not end when the agent faces a
 wrong object, so an agent that ignores the instruction and visits the objects in turn reaches close
@@ -21,18 +28,22 @@ import numpy as np
 
 from relayrl.envs.embodied import ActionSpace, Observation, StepResult
 
+VIEWS = ("egocentric", "full")
+"""What ``view`` may be: the agent's 7 x 7-cell view, or the whole grid from above."""
+
 # Objects that can be the target of a GoTo mission and therefore can be the wrong one.
 _DISTRACTOR_TYPES = ("ball", "box", "key")
 _MISSING = 'BabyAI needs minigrid: pip install "relayrl[babyai]"'
 
 
 class BabyAIEnv:
-    """One or more BabyAI levels with RGB partial observations and the distractor rule.
+    """One or more BabyAI levels with RGB observations (``view``) and the distractor rule.
 
     ``level`` is a level id or a sequence of them; ``tasks`` lists them in that order and
     ``reset(task=...)`` picks one. ``image_size`` must be a multiple of the 7-cell view (7 x tile
-    pixels); ``max_steps`` overrides minigrid's per-level episode limit; ``seed`` seeds each level's
-    first episode (later episodes continue that random stream unless ``reset`` gets a seed).
+    pixels), or with ``view="full"`` of the largest grid's width in cells; ``max_steps``
+    overrides minigrid's per-level episode limit; ``seed`` seeds each level's first episode (later
+    episodes continue that random stream unless ``reset`` gets a seed).
     """
 
     def __init__(
@@ -42,6 +53,7 @@ class BabyAIEnv:
         image_size: int = 56,
         distractor_fails: bool = True,
         max_steps: int | None = None,
+        view: str = "egocentric",
         seed: int = 0,
     ) -> None:
         try:
@@ -49,7 +61,7 @@ class BabyAIEnv:
             import minigrid  # noqa: F401  (registers the BabyAI level ids)
             from minigrid.envs.babyai.core import verifier
             from minigrid.envs.babyai.core.verifier import GoToInstr
-            from minigrid.wrappers import RGBImgPartialObsWrapper
+            from minigrid.wrappers import RGBImgObsWrapper, RGBImgPartialObsWrapper
         except ImportError as e:
             raise ImportError(_MISSING) from e
         if verifier.use_done_actions:
@@ -60,6 +72,8 @@ class BabyAIEnv:
         levels = (level,) if isinstance(level, str) else tuple(level)
         if not levels:
             raise ValueError("level must name at least one BabyAI level, got an empty sequence")
+        if view not in VIEWS:
+            raise ValueError(f"view must be one of {', '.join(VIEWS)}, got {view!r}")
         if max_steps is not None and max_steps < 1:
             raise ValueError(f"max_steps must be a positive int or None, got {max_steps}")
         self.tasks: tuple[str, ...] = levels
@@ -67,20 +81,32 @@ class BabyAIEnv:
         self.distractor_fails = distractor_fails
         self._goto = GoToInstr
         self._envs: dict[str, Any] = {}
+        bases = {}
         for name in levels:
             if name not in gym.registry:
                 raise ValueError(f"level {name!r} is not a registered BabyAI/minigrid env id")
             kwargs = {} if max_steps is None else {"max_steps": max_steps}
+            if view == "full":
+                kwargs["highlight"] = False  # no view cone: the whole grid is the observation
             # Stdout is silenced here too: some levels generate a grid while they are constructed.
             with contextlib.redirect_stdout(io.StringIO()):
-                base = gym.make(name, **kwargs)
-            view = base.unwrapped.agent_view_size
-            if image_size <= 0 or image_size % view:
-                raise ValueError(
-                    f"image_size must be a positive multiple of the {view}-cell view of {name}, "
-                    f"got {image_size}"
-                )
-            self._envs[name] = RGBImgPartialObsWrapper(base, tile_size=image_size // view)
+                bases[name] = gym.make(name, **kwargs)
+        if view == "full":
+            cells = max(max(b.unwrapped.width, b.unwrapped.height) for b in bases.values())
+            what = f"{cells}-cell grid of the largest level"
+        else:
+            cells = max(b.unwrapped.agent_view_size for b in bases.values())
+            what = f"{cells}-cell view"
+        if image_size <= 0 or image_size % cells:
+            raise ValueError(
+                f"image_size must be a positive multiple of the {what} of {', '.join(levels)} "
+                f"(view={view}), got {image_size}"
+            )
+        wrapper = RGBImgObsWrapper if view == "full" else RGBImgPartialObsWrapper
+        for name, base in bases.items():
+            self._envs[name] = wrapper(base, tile_size=image_size // cells)
+        self.view = view
+        self.image_size = image_size
         self._seeds = {name: seed + i for i, name in enumerate(levels)}
         self._task = levels[0]
         self._instruction = ""
@@ -153,5 +179,9 @@ class BabyAIEnv:
 
     def _observation(self, obs: dict[str, Any]) -> Observation:
         """A minigrid observation dict to an ``Observation`` with a [1, H, W, 3] image."""
-        image = np.ascontiguousarray(obs["image"], dtype=np.uint8)[None]
-        return Observation(image, self._instruction, self._task, self._steps)
+        image = np.ascontiguousarray(obs["image"], dtype=np.uint8)
+        if image.shape[:2] != (self.image_size, self.image_size):  # a smaller grid, full view
+            padded = np.zeros((self.image_size, self.image_size, 3), dtype=np.uint8)
+            padded[: image.shape[0], : image.shape[1]] = image
+            image = padded
+        return Observation(image[None], self._instruction, self._task, self._steps)
