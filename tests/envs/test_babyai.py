@@ -229,7 +229,9 @@ def test_full_view_pads_a_smaller_grid_to_the_largest_levels_scale():
     assert small.shape == (28, 28, 3)
     assert small[20:].max() == 0 and small[:, 20:].max() == 0  # 5 cells of 4 pixels, then black
     assert small[:4, :4].max() > 0  # the corner wall is drawn
-    with pytest.raises(ValueError, match="multiple of the 7-cell grid of the largest level"):
-        BabyAIEnv(LEVEL, image_size=24, view="full")
+    alone = BabyAIEnv("BabyAI-GoToLocalS5N2-v0", image_size=28, view="full").reset().image[0]
+    assert alone[20:].max() == 0 and alone[:20, :20].max() > 0  # the same scale on its own
+    with pytest.raises(ValueError, match="BabyAI-GoToLocal-v0 has a 8-cell grid"):
+        BabyAIEnv("BabyAI-GoToLocal-v0", image_size=28, view="full")
     with pytest.raises(ValueError, match="view must be one of egocentric, full"):
         BabyAIEnv(LEVEL, view="top")

@@ -3,9 +3,10 @@
 The image is the agent's egocentric 7 x 7-cell view (``view="egocentric"``, minigrid's
 ``RGBImgPartialObsWrapper``), or the whole grid from above (``view="full"``, minigrid's
 ``RGBImgObsWrapper`` without the view-cone highlight): every object stays in the frame whichever
-way the agent faces, so a pixel world model never has to imagine what lies outside the view. Full
-views of levels of different grid sizes share one scale: the tile is ``image_size`` divided by the
-largest grid of the env's levels, and a smaller grid is padded on the bottom and right with black.
+way the agent faces, so a pixel world model never has to imagine what lies outside the view. The
+full view draws cells at the egocentric view's scale (``image_size`` / 7 pixels), whatever the
+level set, so frames of every level and run share one scale; a grid smaller than 7 cells is padded
+on the bottom and right with black, and a level whose grid is larger is refused.
 
 The distractor rule. In plain BabyAI GoTo levels the episode does not end when the agent faces a
 wrong object, so an agent that ignores the instruction and visits the objects in turn reaches close
@@ -41,7 +42,7 @@ class BabyAIEnv:
 
     ``level`` is a level id or a sequence of them; ``tasks`` lists them in that order and
     ``reset(task=...)`` picks one. ``image_size`` must be a multiple of the 7-cell view (7 x tile
-    pixels), or with ``view="full"`` of the largest grid's width in cells; ``max_steps``
+    pixels), and with ``view="full"`` every level's grid must fit in 7 cells; ``max_steps``
     overrides minigrid's per-level episode limit; ``seed`` seeds each level's first episode (later
     episodes continue that random stream unless ``reset`` gets a seed).
     """
@@ -91,17 +92,20 @@ class BabyAIEnv:
             # Stdout is silenced here too: some levels generate a grid while they are constructed.
             with contextlib.redirect_stdout(io.StringIO()):
                 bases[name] = gym.make(name, **kwargs)
-        if view == "full":
-            cells = max(max(b.unwrapped.width, b.unwrapped.height) for b in bases.values())
-            what = f"{cells}-cell grid of the largest level"
-        else:
-            cells = max(b.unwrapped.agent_view_size for b in bases.values())
-            what = f"{cells}-cell view"
+        cells = max(b.unwrapped.agent_view_size for b in bases.values())
         if image_size <= 0 or image_size % cells:
             raise ValueError(
-                f"image_size must be a positive multiple of the {what} of {', '.join(levels)} "
-                f"(view={view}), got {image_size}"
+                f"image_size must be a positive multiple of the {cells}-cell view of "
+                f"{', '.join(levels)}, got {image_size}"
             )
+        if view == "full":
+            for name, base in bases.items():
+                grid = max(base.unwrapped.width, base.unwrapped.height)
+                if grid > cells:
+                    raise ValueError(
+                        f"view=full draws the grid at the {cells}-cell view's scale; level {name} "
+                        f"has a {grid}-cell grid, larger than the image: use view=egocentric"
+                    )
         wrapper = RGBImgObsWrapper if view == "full" else RGBImgPartialObsWrapper
         for name, base in bases.items():
             self._envs[name] = wrapper(base, tile_size=image_size // cells)
