@@ -36,7 +36,7 @@ from common import git_state, machine, relative, save_result  # noqa: E402
 
 from relayrl.algorithms.losses import LOSSES  # noqa: E402
 from relayrl.envs.babyai import BabyAIEnv  # noqa: E402
-from relayrl.launch import BLIND_INSTRUCTION  # noqa: E402
+from relayrl.executors.worker_side import BLIND_INSTRUCTION  # noqa: E402
 from relayrl.models.vla import VLAConfig, VLAPolicy  # noqa: E402
 
 NAME = "babyai_reference"

@@ -55,7 +55,8 @@ from relayrl.config import Config, load_config  # noqa: E402
 from relayrl.envs.embodied import Observation  # noqa: E402
 from relayrl.envs.latency import DELAYS  # noqa: E402
 from relayrl.executors.inference_service import InferenceService  # noqa: E402
-from relayrl.launch import build_env, start_ray, vla_config  # noqa: E402
+from relayrl.executors.worker_side import build_env
+from relayrl.launch import start_ray, vla_config  # noqa: E402
 from relayrl.models.vla import VLAPolicy  # noqa: E402
 from relayrl.observability.tracing import busy_seconds  # noqa: E402
 

@@ -119,6 +119,13 @@ def test_every_loss_and_advantage_name_is_accepted():
         assert cfg.trainer.advantage == advantage
 
 
+def test_the_built_in_names_the_descriptions_list_are_the_registries():
+    from relayrl.config import BUILTIN_ADVANTAGES, BUILTIN_LOSSES
+
+    assert tuple(sorted(LOSSES)) == BUILTIN_LOSSES
+    assert tuple(sorted(ADVANTAGES)) == BUILTIN_ADVANTAGES
+
+
 def test_unknown_top_level_key_lists_the_allowed_keys():
     message = config_error(ARITH, ["stepz=5"])
 

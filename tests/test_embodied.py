@@ -14,8 +14,8 @@ from conftest import QUIET, shm_files, tiny_config
 from safetensors.torch import load_file
 
 from relayrl.config import ConfigError, EnvConfig, load_config
+from relayrl.executors.worker_side import BLIND_INSTRUCTION, build_env
 from relayrl.job import train
-from relayrl.launch import BLIND_INSTRUCTION, build_env
 from relayrl.models.vla import VLAConfig, VLAPolicy
 
 SMALL = [

@@ -15,7 +15,8 @@ from safetensors.torch import save_file
 from relayrl.cli import main
 from relayrl.config import load_config, save_config
 from relayrl.evaluate_embodied import SEED_STRIDE, embodied_run, evaluate_embodied
-from relayrl.launch import build_env, vla_config
+from relayrl.executors.worker_side import build_env
+from relayrl.launch import vla_config
 from relayrl.models.vla import VLAPolicy
 from relayrl.wm.collect import play_episode
 from relayrl.wm.policies import CheckpointPolicy

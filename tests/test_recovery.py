@@ -17,7 +17,7 @@ from test_embodied import check_books
 
 from relayrl import job
 from relayrl.config import EnvConfig
-from relayrl.launch import build_env
+from relayrl.executors.worker_side import build_env
 from relayrl.observability.metrics import MetricsLog
 from relayrl.recovery import ExecutorFailed
 from relayrl.workloads import EmbodiedWorkload, LLMWorkload

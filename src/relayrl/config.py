@@ -24,9 +24,16 @@ from pydantic import (
     model_validator,
 )
 
-from relayrl.algorithms.advantages import ADVANTAGES
-from relayrl.algorithms.losses import LOSSES
-from relayrl.models.world_model import OBS_BACKENDS
+# The registries these name (relayrl.algorithms.losses.LOSSES, .advantages.ADVANTAGES) import
+# torch; the config does not, so that actors which never touch a tensor (rollout workers, replay
+# buffers, rewarders) start without it. Validators look the registries up when they run.
+BUILTIN_LOSSES = (
+    *("aipo", "aipo_clamp", "ess_aipo", "gipo", "m2po"),
+    *("mis_seq", "pg", "ppo_clip", "tis_seq"),
+)
+"""The losses relayrl ships, as the trainer.loss description lists them."""
+BUILTIN_ADVANTAGES = ("dr_grpo", "grpo")
+"""The group advantages relayrl ships, as the trainer.advantage description lists them."""
 
 
 class ConfigError(ValueError):
@@ -305,13 +312,14 @@ class TrainerConfig(_Section):
 
     loss: str = Field(
         "aipo",
-        description="Loss name: " + ", ".join(sorted(LOSSES)) + "; workload=embodied defaults "
-        "to gipo.",
+        description="Loss name, a key of relayrl.algorithms.losses.LOSSES: "
+        + ", ".join(BUILTIN_LOSSES)
+        + "; workload=embodied defaults to gipo.",
     )
     advantage: str = Field(
         "grpo",
         description="Advantage: "
-        + ", ".join(sorted(ADVANTAGES))
+        + ", ".join(BUILTIN_ADVANTAGES)
         + " (per group of completions), or gae: PPO's, per token, from the critic's values "
         "(places the critic role).",
     )
@@ -432,6 +440,8 @@ class TrainerConfig(_Section):
     @field_validator("loss")
     @classmethod
     def _known_loss(cls, value: str) -> str:
+        from relayrl.algorithms.losses import LOSSES
+
         if value not in LOSSES:
             raise ValueError(f"unknown loss; allowed: {', '.join(sorted(LOSSES))}")
         return value
@@ -439,6 +449,8 @@ class TrainerConfig(_Section):
     @field_validator("advantage")
     @classmethod
     def _known_advantage(cls, value: str) -> str:
+        from relayrl.algorithms.advantages import ADVANTAGES
+
         if value not in ADVANTAGES and value != "gae":
             allowed = ", ".join([*sorted(ADVANTAGES), "gae"])
             raise ValueError(f"unknown advantage; allowed: {allowed}")
@@ -467,8 +479,8 @@ class EnvConfig(_Section):
     view: Literal["egocentric", "full"] = Field(
         "egocentric",
         description="babyai: the image is the agent's 7 x 7-cell view (egocentric) or the whole "
-        "grid from above (full: objects stay in view, what a pixel world model needs; "
-        "env.image_size must be a multiple of the largest level's grid width in cells).",
+        "grid from above (full: objects stay in view, what a pixel world model needs; cells at "
+        "the egocentric scale, grids up to 7 cells).",
     )
     blind: bool = Field(
         False,
@@ -818,6 +830,8 @@ class WorldModelConfig(_Section):
     @field_validator("backend")
     @classmethod
     def _known_backend(cls, value: str) -> str:
+        from relayrl.models.world_model import OBS_BACKENDS
+
         if value not in OBS_BACKENDS:
             raise ValueError(f"unknown backend; allowed: {', '.join(sorted(OBS_BACKENDS))}")
         return value

@@ -31,11 +31,8 @@ from relayrl.channels.local import Channel
 from relayrl.checkpoint import Checkpointer
 from relayrl.config import Config
 from relayrl.executors.replay_buffer import ReplayBufferClosed
-from relayrl.launch import (
-    BufferSink,
-    Group,
-    WeightSync,
-)
+from relayrl.executors.worker_side import BufferSink
+from relayrl.launch import Group, WeightSync
 from relayrl.observability.metrics import MetricsLog, RunTally
 from relayrl.recovery import DEATHS, ExecutorFailed, Recovery, WorkerRuns, alive, first_line
 from relayrl.types import StepResult

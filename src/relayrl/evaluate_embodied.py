@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from relayrl.config import Config, load_config
 from relayrl.envs.embodied import EmbodiedEnv
-from relayrl.launch import build_env
+from relayrl.executors.worker_side import build_env
 from relayrl.wm.collect import play_episode
 from relayrl.wm.policies import CheckpointPolicy
 

@@ -10,29 +10,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import functools
 import os
-import random
 import signal
 import socket
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
-import numpy as np
 import ray
 from ray._private import services
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from relayrl.config import Config, EnvConfig
-from relayrl.envs.embodied import EmbodiedEnv, Observation, StepResult
-from relayrl.envs.latency import LatencyEnv
-from relayrl.executors.inference_service import ActReply
-from relayrl.executors.rollout_worker import RolloutWorker
+from relayrl.config import Config
 from relayrl.models.vla import VLAConfig
 from relayrl.models.world_model import ObsModelConfig, SuccessModelConfig
 from relayrl.weight_sync import TRANSPORTS
@@ -459,169 +452,6 @@ def stop(groups: Sequence[Group], placement: Placement | None, closing: Sequence
             ray.kill(actor)
     if placement is not None:
         placement.close()
-
-
-# The instruction every observation carries in an instruction-blind control run (env.blind).
-BLIND_INSTRUCTION = "go to the object"
-
-
-class BlindEnv:
-    """``env`` with every instruction replaced by ``BLIND_INSTRUCTION``: the control run that shows
-    how much of a policy's success comes from reading the instruction."""
-
-    def __init__(self, env: EmbodiedEnv):
-        self.env = env
-        self.action_space = env.action_space
-        self.tasks = env.tasks
-
-    def reset(
-        self, *, task: str | None = None, seed: int | None = None, **options: Any
-    ) -> Observation:
-        """Start an episode of the wrapped env (``options``: what its ``reset`` also takes)."""
-        return dataclasses.replace(
-            self.env.reset(task=task, seed=seed, **options), instruction=BLIND_INSTRUCTION
-        )
-
-    def __getattr__(self, name: str) -> Any:
-        """What else the wrapped env offers (its step cap, its init states)."""
-        if name.startswith("__") or name == "env":  # unpickling asks before env is set
-            raise AttributeError(name)
-        return getattr(self.env, name)
-
-    def step(self, action: np.ndarray | int) -> StepResult:
-        """Step the wrapped env."""
-        result = self.env.step(action)
-        obs = dataclasses.replace(result.obs, instruction=BLIND_INSTRUCTION)
-        return dataclasses.replace(result, obs=obs)
-
-    def close(self) -> None:
-        """Close the wrapped env."""
-        self.env.close()
-
-
-def _babyai(ec: EnvConfig, seed: int) -> EmbodiedEnv:
-    from relayrl.envs.babyai import BabyAIEnv
-
-    return BabyAIEnv(
-        ec.tasks,
-        image_size=ec.image_size,
-        distractor_fails=ec.distractor_fails,
-        view=ec.view,
-        max_steps=ec.max_steps,
-        seed=seed,
-    )
-
-
-def _metaworld(ec: EnvConfig, seed: int) -> EmbodiedEnv:
-    from relayrl.envs.metaworld import MetaWorldEnv
-
-    tasks = "MT10" if ec.tasks == ["MT10"] else ec.tasks
-    return MetaWorldEnv(tasks, image_size=ec.image_size, max_steps=ec.max_steps, seed=seed)
-
-
-def _libero(ec: EnvConfig, seed: int) -> EmbodiedEnv:
-    from relayrl.envs.libero import LiberoEnv
-
-    return LiberoEnv(ec.suite, image_size=ec.image_size, max_steps=ec.max_steps, seed=seed)
-
-
-ENVS: dict[str, Callable[[EnvConfig, int], EmbodiedEnv]] = {
-    "babyai": _babyai,
-    "metaworld": _metaworld,
-    "libero": _libero,
-}
-
-
-def build_env(ec: EnvConfig, seed: int) -> EmbodiedEnv:
-    """The env ``ec`` names, seeded, with the blind and latency wrappers it asks for."""
-    env = ENVS[ec.name](ec, seed)
-    if ec.blind:
-        env = BlindEnv(env)
-    if ec.latency != "none":
-        env = LatencyEnv(
-            env, dist=ec.latency, mean_ms=ec.latency_mean_ms, sigma=ec.latency_sigma, seed=seed
-        )
-    return env
-
-
-class TaskSampler:
-    """A rollout worker's choice of task at each reset: weighted draws, uniform until the
-    controller pushes dynamic weights (``set_task_weights``)."""
-
-    def __init__(self, tasks: Sequence[str], seed: int):
-        self.tasks = list(tasks)
-        self.weights = [1.0] * len(self.tasks)
-        self._rng = random.Random(seed)
-
-    def __call__(self) -> str:
-        return self._rng.choices(self.tasks, self.weights)[0]
-
-    def state_dict(self) -> dict:
-        """The weights and the random state, for a run checkpoint."""
-        return {"weights": list(self.weights), "rng": self._rng.getstate()}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Restore what ``state_dict`` saved."""
-        self.weights = list(state["weights"])
-        self._rng.setstate(state["rng"])
-
-
-def set_task_weights(worker: RolloutWorker, weights: list[float]) -> None:
-    """Run inside a worker actor (``worker.__ray_call__.remote(set_task_weights, w)``): give its
-    task sampler new weights; one attribute assignment, safe while ``run`` loops."""
-    worker.task_sampler.weights = weights
-
-
-class ServiceClient:
-    """What a rollout worker actor calls for an action: the inference-service actor, blocking;
-    the request names the worker and carries its env steps so far."""
-
-    def __init__(self, service: Any):
-        self.service = service
-
-    def __call__(self, obs: Observation, worker: int, env_steps: int) -> ActReply:
-        return ray.get(self.service.act.remote(obs, worker, env_steps))
-
-    def act_many(
-        self, observations: list[Observation], worker: int, env_steps: int
-    ) -> list[ActReply]:
-        """The replies to ``observations``: one call each, all in flight at once."""
-        return ray.get([self.service.act.remote(o, worker, env_steps) for o in observations])
-
-
-class BufferSink:
-    """Where a rollout worker actor puts its segments: the replay-buffer actor."""
-
-    def __init__(self, buffer: Any):
-        self.buffer = buffer
-
-    def __call__(self, segment: Any) -> None:
-        ray.get(self.buffer.put.remote(segment))
-
-    def put_many(self, segments: list[Any]) -> None:
-        """Put ``segments`` in one call, in order."""
-        ray.get(self.buffer.put_many.remote(segments))
-
-
-class WorldModelClient:
-    """What a rollout worker's imagination calls: a world-model service replica, every request
-    of a step in flight at once (the replica batches them)."""
-
-    def __init__(self, service: Any):
-        self.service = service
-
-    def __call__(self, requests: list[Any]) -> list[Any]:
-        return ray.get([self.service.act.remote(r) for r in requests])
-
-
-class EpisodeSink:
-    """Where a rollout worker hands its real episodes: the world-model trainer's ``B_wm``."""
-
-    def __init__(self, trainer: Any):
-        self.trainer = trainer
-
-    def __call__(self, episodes: list[Any]) -> None:
-        ray.get(self.trainer.add_episodes.remote(episodes))
 
 
 def vla_config(cfg: Config, views: int, dims: int, vocab: int) -> VLAConfig:

@@ -43,14 +43,16 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from relayrl.data.trajectories import Episode
 from relayrl.envs.embodied import EmbodiedEnv, Observation, StepResult
-from relayrl.executors.imagination import Imaginer
 from relayrl.types import ActReply, Segment, segment_arrays
+
+if TYPE_CHECKING:  # imagination needs torch; a worker without it never imports it
+    from relayrl.executors.imagination import Imaginer
 
 
 @dataclass
@@ -548,7 +550,7 @@ class _EnvInline:
 
 
 def _sampler_state(sampler: Callable[[], str] | None) -> dict | None:
-    """A task sampler's state when it keeps one (``launch.TaskSampler`` does), else None."""
+    """A task sampler's state when it keeps one (``worker_side.TaskSampler`` does), else None."""
     save = getattr(sampler, "state_dict", None)
     return save() if save is not None else None
 

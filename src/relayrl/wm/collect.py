@@ -19,7 +19,7 @@ from tqdm import tqdm
 from relayrl.config import Config
 from relayrl.data.trajectories import Episode, TrajectoryWriter
 from relayrl.envs.embodied import EmbodiedEnv
-from relayrl.launch import ENVS
+from relayrl.executors.worker_side import ENVS
 from relayrl.wm.policies import POLICY_NAMES, EpisodePolicy, episode_policy
 
 SEED_STRIDE = 100_000

@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from relayrl.config import Config
 from relayrl.data.trajectories import Episode
-from relayrl.launch import ENVS
+from relayrl.executors.worker_side import ENVS
 from relayrl.models.world_model import (
     ObservationModel,
     SuccessModel,

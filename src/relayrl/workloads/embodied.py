@@ -40,22 +40,24 @@ from relayrl.executors.inference_service import InferenceService
 from relayrl.executors.replay_buffer import ReplayBuffer
 from relayrl.executors.rollout_worker import RolloutWorker
 from relayrl.executors.vla_trainer import VLATrainer
-from relayrl.executors.world_model_trainer import WorldModelTrainer
-from relayrl.launch import (
+from relayrl.executors.worker_side import (
     BufferSink,
     EpisodeSink,
-    Group,
-    Placement,
     ServiceClient,
     TaskSampler,
     WorldModelClient,
     build_env,
+    set_task_weights,
+)
+from relayrl.executors.world_model_trainer import WorldModelTrainer
+from relayrl.launch import (
+    Group,
+    Placement,
     connect_weight_sync,
     form_trainer_group,
     publish_weights,
     remote_class,
     restore,
-    set_task_weights,
     snapshot,
     vla_config,
     world_model_configs,
