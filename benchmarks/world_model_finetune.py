@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     before = strip(trainer, starts, policy, args.seed)
     rows = [{"round": 0, **measure(cfg, trainer, heldout, policy, args.seed)}]
     print(rows[-1], file=sys.stderr)
-    every = cfg.world_model.train_obs_every
+    every = cfg.world_model.train_obs_every or cfg.world_model.train_reward_every
     for r in range(1, args.rounds + 1):
         trainer.train(r * every)
         if r % args.every == 0 or r == args.rounds:
