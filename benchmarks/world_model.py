@@ -11,9 +11,9 @@ redo it; delete only an arm's ``done.json`` to report its finished run again):
    ``relayrl wm eval`` of the pretrained model on random-policy episodes of the target level
    (collected for evaluation only), with the starting policy's success measured in imagination
    against the real env.
-3. Two arms of ``configs/babyai_wm.yaml`` (S7N4 only) from ``vla.path``: ``model_free``
-   (``imagination.episodes_per_real=0``) and ``world_model`` (``world_model.path`` = phase 2's
-   model), each for ``--steps`` trainer steps, evaluated every ``--eval-every`` steps on
+3. Two arms of ``configs/babyai_wm.yaml`` (S7N4 only; ``--arms`` picks one) from ``vla.path``:
+   ``model_free`` (``imagination.episodes_per_real=0``) and ``world_model`` (``world_model.path``
+   = phase 2's model), each for ``--steps`` trainer steps, evaluated every ``--eval-every`` steps on
    ``--eval-episodes`` sampled S7N4 episodes.
 
 Reported: each arm's real env steps (the workers' finished segments, ``samples/real_put_total``)
@@ -72,6 +72,7 @@ TARGET_LEVEL = "BabyAI-GoToLocalS7N4-v0"
 OFFLINE_LEVELS = ["BabyAI-GoToLocalS5N2-v0", "BabyAI-GoToLocalS6N3-v0"]
 QUIET = ["log.progress=false", "log.tensorboard=false"]
 IMAGINED = "samples/imagined_trained_total"
+ARMS = ("model_free", "world_model")
 ENDED = ("finished", "interrupted")  # an arm's run in one of these is reported, not run again
 
 
@@ -91,12 +92,18 @@ def main(argv: list[str] | None = None) -> int:
     }
     result["start"] = starting_policy(args)
     result["offline"] = offline_world_model(args, Path(result["start"]["checkpoint"]))
-    for arm in ("model_free", "world_model"):
-        result[arm] = run_arm(args, arm, result["start"]["checkpoint"], result["offline"]["path"])
+    for arm in ARMS:
+        result[arm] = (
+            run_arm(args, arm, result["start"]["checkpoint"], result["offline"]["path"])
+            if arm in args.arms
+            else None
+        )
     mf, wm = result["model_free"], result["world_model"]
     result["real_steps_ratio"] = (
         None
-        if mf["real_steps_to_target"] is None or wm["real_steps_to_target"] is None
+        if mf is None
+        or wm is None
+        or None in (mf["real_steps_to_target"], wm["real_steps_to_target"])
         else mf["real_steps_to_target"] / wm["real_steps_to_target"]
     )
     result = _scrub(result, str(args.work.resolve()))
@@ -135,9 +142,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="an a.b=value item for the world-model arm only, e.g. "
         "imagination.episodes_per_real=4; may repeat",
     )
+    parser.add_argument(
+        "--arms",
+        type=lambda text: text.split(","),
+        default=list(ARMS),
+        help="the arms to run and report, comma-separated (default: model_free,world_model)",
+    )
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     parser.add_argument("overrides", nargs="*", help="a.b=value items (every phase)")
     args = parser.parse_args(argv)
+    if not args.arms or set(args.arms) - set(ARMS):
+        parser.error(f"--arms {','.join(args.arms)}: allowed arms are {', '.join(ARMS)}")
     counts = (args.start_steps, args.collect_episodes, args.eval_data_episodes)
     counts += (args.pretrain_steps, args.steps, args.eval_every, args.eval_episodes)
     if not 0 < args.target <= 1 or min(counts) < 1:
@@ -362,7 +377,7 @@ def plot(result: dict, path: Path) -> Path:
     model's rollout PSNR against the horizon on the target level."""
     fig, (left, middle, right) = plt.subplots(1, 3, figsize=(15, 4.2))
     for arm, label in (("model_free", "model-free"), ("world_model", "world model")):
-        curve = result[arm]["curve"]
+        curve = (result[arm] or {}).get("curve")
         if curve:
             t, real, _, success = zip(*curve, strict=True)
             left.plot([max(x, 1.0) for x in real], success, marker=".", label=label)
@@ -409,8 +424,11 @@ def markdown_table(result: dict) -> str:
         "| real env steps | imagined trained | wall clock | books |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for arm in ("model_free", "world_model"):
+    for arm in ARMS:
         r = result[arm]
+        if r is None:
+            rows.append(f"| {arm} | not run (--arms) | | | | | | |")
+            continue
         rows.append(
             f"| {arm} | {r['start_success']:.2f} -> {r['best_success']:.2f} -> "
             f"{r['final_success']:.2f} | {k(r['real_steps_to_target'])} "
@@ -440,7 +458,7 @@ def markdown_table(result: dict) -> str:
         f"{pol['outcome_agreement']:.2f}; failed before the cap "
         f"{pol.get('imagined_failed_early', 0):.2f} imagined vs {pol['real_failed_early']:.2f} "
         f"real); random policy {rnd['imagined_success']:.2f} vs {rnd['real_success']:.2f}.",
-        *_episode_lines(result["world_model"].get("episodes") or {}),
+        *_episode_lines((result["world_model"] or {}).get("episodes") or {}),
         "",
         f"Command: `{result['command']}`.",
     ]
