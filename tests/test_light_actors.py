@@ -13,8 +13,6 @@ import pytest
 from relayrl.config import load_config
 from relayrl.executors.worker_side import TaskSampler, build_env
 
-pytest.importorskip("minigrid", reason='BabyAI needs minigrid: pip install "relayrl[babyai]"')
-
 
 def _runs_without_torch(payload: object, code: str) -> None:
     """Unpickle ``payload`` as ``obj`` in a fresh interpreter, run ``code``, and fail if torch
@@ -37,6 +35,7 @@ def test_a_config_unpickles_without_torch():
 
 
 def test_a_rollout_workers_env_factory_and_sampler_run_without_torch():
+    pytest.importorskip("minigrid", reason='BabyAI needs minigrid: pip install "relayrl[babyai]"')
     cfg = load_config(None, ["workload=embodied", "env.blind=true"])
     payload = (functools.partial(build_env, cfg.env), TaskSampler(cfg.env.tasks, 0))
     code = (
