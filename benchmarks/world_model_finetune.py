@@ -105,16 +105,7 @@ def measure(cfg, trainer: WorldModelTrainer, heldout: list[Episode], policy, see
     mse, copy = frame_mse(model.obs, transitions(heldout, index, k), torch.Generator())
     scores = success_scores(model.reward, heldout, wm.threshold, wm.failure_threshold)
     generator = torch.Generator().manual_seed(seed)
-    settings = ImaginationSettings(
-        episodes_per_real=cfg.imagination.episodes_per_real,
-        cache_episodes=cfg.imagination.cache_episodes,
-        context_frames=k,
-        threshold=wm.threshold,
-        fail_threshold=wm.failure_threshold,
-        max_steps=wm.max_steps,
-        terminal_reward=wm.terminal_reward,
-        segment_len=cfg.rollout.segment_len,
-    )
+    settings = ImaginationSettings.from_config(cfg)
     segments: list = []
     imaginer = Imaginer(
         settings,

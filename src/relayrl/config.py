@@ -26,10 +26,17 @@ from pydantic import (
 
 # The registries these name (relayrl.algorithms.losses.LOSSES, .advantages.ADVANTAGES) import
 # torch; the config does not, so that actors which never touch a tensor (rollout workers, replay
-# buffers, rewarders) start without it. Validators look the registries up when they run.
+# buffers) start without it. Validators look the registries up when they run.
 BUILTIN_LOSSES = (
-    *("aipo", "aipo_clamp", "ess_aipo", "gipo", "m2po"),
-    *("mis_seq", "pg", "ppo_clip", "tis_seq"),
+    "aipo",
+    "aipo_clamp",
+    "ess_aipo",
+    "gipo",
+    "m2po",
+    "mis_seq",
+    "pg",
+    "ppo_clip",
+    "tis_seq",
 )
 """The losses relayrl ships, as the trainer.loss description lists them."""
 BUILTIN_ADVANTAGES = ("dr_grpo", "grpo")

@@ -109,7 +109,6 @@ class BabyAIEnv:
         wrapper = RGBImgObsWrapper if view == "full" else RGBImgPartialObsWrapper
         for name, base in bases.items():
             self._envs[name] = wrapper(base, tile_size=image_size // cells)
-        self.view = view
         self.image_size = image_size
         self._seeds = {name: seed + i for i, name in enumerate(levels)}
         self._task = levels[0]

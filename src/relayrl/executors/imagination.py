@@ -51,6 +51,21 @@ class ImaginationSettings:
     terminal_reward: float
     segment_len: int
 
+    @classmethod
+    def from_config(cls, cfg: Any) -> ImaginationSettings:
+        """The settings a run's ``Config`` gives (``imagination``, ``world_model``, ``rollout``)."""
+        wm = cfg.world_model
+        return cls(
+            episodes_per_real=cfg.imagination.episodes_per_real,
+            cache_episodes=cfg.imagination.cache_episodes,
+            context_frames=wm.context_frames,
+            threshold=wm.threshold,
+            fail_threshold=wm.failure_threshold,
+            max_steps=wm.max_steps,
+            terminal_reward=wm.terminal_reward,
+            segment_len=cfg.rollout.segment_len,
+        )
+
 
 @dataclass
 class _Dream:

@@ -1,7 +1,7 @@
 """What a rollout worker actor holds, free of torch so that a worker starts without it: the env
 factory (``ENVS``, ``build_env``, the instruction-blind wrapper), its task sampler, and the
 handles through which it calls the inference service, the replay buffer, a world-model service
-and the world-model trainer. ``relayrl.launch`` re-exports every name.
+and the world-model trainer.
 """
 
 from __future__ import annotations

@@ -225,16 +225,7 @@ class EmbodiedWorkload:
             .options(max_concurrency=4, **at("imagined_buffer", 0))
             .remote(cfg.imagination.buffer_steps, max_staleness=cfg.max_staleness)
         )
-        settings = ImaginationSettings(
-            episodes_per_real=cfg.imagination.episodes_per_real,
-            cache_episodes=cfg.imagination.cache_episodes,
-            context_frames=wm.context_frames,
-            threshold=wm.threshold,
-            fail_threshold=wm.failure_threshold,
-            max_steps=wm.max_steps,
-            terminal_reward=wm.terminal_reward,
-            segment_len=cfg.rollout.segment_len,
-        )
+        settings = ImaginationSettings.from_config(cfg)
         ray.get(
             [
                 worker.set_imagination.remote(
