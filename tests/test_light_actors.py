@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import functools
 import pickle
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -47,3 +49,22 @@ def test_a_rollout_workers_env_factory_and_sampler_run_without_torch():
         "env.step(2)"
     )
     _runs_without_torch(payload, code)
+
+
+def test_every_function_run_inside_an_actor_loads_without_torch():
+    """Ray imports the module of a function sent with ``__ray_call__`` into the actor: every such
+    function must come from ``worker_side`` (one defined in ``launch`` once loaded torch into
+    every rollout worker and replay buffer)."""
+    from relayrl.executors import worker_side
+
+    src = Path(__file__).resolve().parents[1] / "src"
+    called = {
+        name
+        for path in src.rglob("*.py")
+        for name in re.findall(r"__ray_call__\.remote\((\w+)", path.read_text())
+    }
+    assert {"node_of", "set_task_weights", "set_worker_id"} <= called
+    elsewhere = sorted(name for name in called if not hasattr(worker_side, name))
+    assert elsewhere == [], f"run inside actors but not defined in worker_side: {elsewhere}"
+    functions = [getattr(worker_side, name) for name in sorted(called)]
+    _runs_without_torch(functions, "assert all(callable(f) for f in obj)")

@@ -26,6 +26,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from relayrl.config import Config
+from relayrl.executors.worker_side import node_of
 from relayrl.models.vla import VLAConfig
 from relayrl.models.world_model import ObsModelConfig, SuccessModelConfig
 from relayrl.weight_sync import TRANSPORTS
@@ -269,11 +270,6 @@ def pick_transport(requested: str, trainer_node: str, receiver_nodes: list[str])
             "they were placed on different nodes: use sync.transport=dist or auto"
         )
     return requested
-
-
-def node_of(actor: Any) -> tuple[str, str]:
-    """Run inside an actor (``actor.__ray_call__.remote(node_of)``): its Ray node id and IP."""
-    return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
 
 
 def topology(groups: Sequence[Group], placement: str) -> dict:

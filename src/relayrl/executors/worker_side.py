@@ -1,7 +1,9 @@
 """What a rollout worker actor holds, free of torch so that a worker starts without it: the env
 factory (``ENVS``, ``build_env``, the instruction-blind wrapper), its task sampler, and the
 handles through which it calls the inference service, the replay buffer, a world-model service
-and the world-model trainer.
+and the world-model trainer; also the functions the controller runs inside actors with
+``__ray_call__`` (Ray imports such a function's module in the actor: a function defined in
+``launch`` or a workload would import torch into every worker and buffer).
 """
 
 from __future__ import annotations
@@ -126,6 +128,17 @@ class TaskSampler:
         """Restore what ``state_dict`` saved."""
         self.weights = list(state["weights"])
         self._rng.setstate(state["rng"])
+
+
+def set_worker_id(worker: RolloutWorker, worker_id: int) -> None:
+    """Run inside a rollout worker actor: the id its segments carry from now on."""
+    worker.worker_id = worker_id
+
+
+def node_of(actor: Any) -> tuple[str, str]:
+    """Run inside any actor (``actor.__ray_call__.remote(node_of)``): its Ray node id and IP.
+    Here, not in ``launch``, because Ray imports a called function's module in the actor."""
+    return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
 
 
 def set_task_weights(worker: RolloutWorker, weights: list[float]) -> None:

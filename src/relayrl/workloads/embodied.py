@@ -48,6 +48,7 @@ from relayrl.executors.worker_side import (
     WorldModelClient,
     build_env,
     set_task_weights,
+    set_worker_id,
 )
 from relayrl.executors.world_model_trainer import WorldModelTrainer
 from relayrl.launch import (
@@ -417,7 +418,7 @@ class EmbodiedWorkload:
         self.worker_ids = list(parts["retired_workers"]["worker_ids"])
         ray.get(
             [
-                w.__ray_call__.remote(_set_worker_id, worker_id)
+                w.__ray_call__.remote(set_worker_id, worker_id)
                 for w, worker_id in zip(self.workers, self.worker_ids, strict=True)
             ]
         )
@@ -758,11 +759,6 @@ class EmbodiedWorkload:
                 },
             },
         }
-
-
-def _set_worker_id(worker: RolloutWorker, worker_id: int) -> None:
-    """Run inside a rollout worker actor: the id its segments carry from now on."""
-    worker.worker_id = worker_id
 
 
 class TaskChoice:
