@@ -483,11 +483,11 @@ class EnvConfig(_Section):
     distractor_fails: bool = Field(
         True, description="babyai: facing an object the mission does not name fails the episode."
     )
-    view: Literal["egocentric", "full"] = Field(
+    view: Literal["egocentric", "full", "both"] = Field(
         "egocentric",
-        description="babyai: the image is the agent's 7 x 7-cell view (egocentric) or the whole "
+        description="babyai: the image is the agent's 7 x 7-cell view (egocentric), the whole "
         "grid from above (full: objects stay in view, what a pixel world model needs; cells at "
-        "the egocentric scale, grids up to 7 cells).",
+        "the egocentric scale, grids up to 7 cells), or both as two views, egocentric first.",
     )
     blind: bool = Field(
         False,

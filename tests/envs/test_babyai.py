@@ -233,5 +233,20 @@ def test_full_view_pads_a_smaller_grid_to_the_largest_levels_scale():
     assert alone[20:].max() == 0 and alone[:20, :20].max() > 0  # the same scale on its own
     with pytest.raises(ValueError, match="BabyAI-GoToLocal-v0 has a 8-cell grid"):
         BabyAIEnv("BabyAI-GoToLocal-v0", image_size=28, view="full")
-    with pytest.raises(ValueError, match="view must be one of egocentric, full"):
+    with pytest.raises(ValueError, match="view must be one of egocentric, full, both"):
         BabyAIEnv(LEVEL, view="top")
+
+
+def test_both_views_are_the_egocentric_then_the_full_view_of_the_same_step():
+    both, ego, full = (
+        BabyAIEnv(LEVEL, image_size=28, view=v) for v in ("both", "egocentric", "full")
+    )
+    frames = [env.reset(seed=5).image for env in (both, ego, full)]
+    for action in (2, 0, 2, 1):
+        frames += [env.step(action).obs.image for env in (both, ego, full)]
+    for at in range(0, len(frames), 3):
+        pair, alone_ego, alone_full = frames[at : at + 3]
+        assert pair.shape == (2, 28, 28, 3)
+        assert np.array_equal(pair[0], alone_ego[0]) and np.array_equal(pair[1], alone_full[0])
+    with pytest.raises(ValueError, match="view=both draws the grid at the 7-cell view's scale"):
+        BabyAIEnv("BabyAI-GoToLocal-v0", image_size=28, view="both")

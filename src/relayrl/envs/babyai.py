@@ -3,7 +3,9 @@
 The image is the agent's egocentric 7 x 7-cell view (``view="egocentric"``, minigrid's
 ``RGBImgPartialObsWrapper``), or the whole grid from above (``view="full"``, minigrid's
 ``RGBImgObsWrapper`` without the view-cone highlight): every object stays in the frame whichever
-way the agent faces, so a pixel world model never has to imagine what lies outside the view. The
+way the agent faces, so a pixel world model never has to imagine what lies outside the view. With
+``view="both"`` the image has two views, ``[2, H, W, 3]``: the egocentric one first, then the full
+one (what a world model can predict from, beside what the agent's success is judged on). The
 full view draws cells at the egocentric view's scale (``image_size`` / 7 pixels), whatever the
 level set, so frames of every level and run share one scale; a grid smaller than 7 cells is padded
 on the bottom and right with black, and a level whose grid is larger is refused.
@@ -29,8 +31,9 @@ import numpy as np
 
 from relayrl.envs.embodied import ActionSpace, Observation, StepResult
 
-VIEWS = ("egocentric", "full")
-"""What ``view`` may be: the agent's 7 x 7-cell view, or the whole grid from above."""
+VIEWS = ("egocentric", "full", "both")
+"""What ``view`` may be: the agent's 7 x 7-cell view, the whole grid from above, or both (two
+views, the egocentric one first)."""
 
 # Objects that can be the target of a GoTo mission and therefore can be the wrong one.
 _DISTRACTOR_TYPES = ("ball", "box", "key")
@@ -42,9 +45,9 @@ class BabyAIEnv:
 
     ``level`` is a level id or a sequence of them; ``tasks`` lists them in that order and
     ``reset(task=...)`` picks one. ``image_size`` must be a multiple of the 7-cell view (7 x tile
-    pixels), and with ``view="full"`` every level's grid must fit in 7 cells; ``max_steps``
-    overrides minigrid's per-level episode limit; ``seed`` seeds each level's first episode (later
-    episodes continue that random stream unless ``reset`` gets a seed).
+    pixels), and with ``view`` "full" or "both" every level's grid must fit in 7 cells;
+    ``max_steps`` overrides minigrid's per-level episode limit; ``seed`` seeds each level's first
+    episode (later episodes continue that random stream unless ``reset`` gets a seed).
     """
 
     def __init__(
@@ -98,18 +101,21 @@ class BabyAIEnv:
                 f"image_size must be a positive multiple of the {cells}-cell view of "
                 f"{', '.join(levels)}, got {image_size}"
             )
-        if view == "full":
+        if view != "egocentric":
             for name, base in bases.items():
                 grid = max(base.unwrapped.width, base.unwrapped.height)
                 if grid > cells:
                     raise ValueError(
-                        f"view=full draws the grid at the {cells}-cell view's scale; level {name} "
-                        f"has a {grid}-cell grid, larger than the image: use view=egocentric"
+                        f"view={view} draws the grid at the {cells}-cell view's scale; level "
+                        f"{name} has a {grid}-cell grid, larger than the image: use "
+                        "view=egocentric"
                     )
         wrapper = RGBImgObsWrapper if view == "full" else RGBImgPartialObsWrapper
         for name, base in bases.items():
             self._envs[name] = wrapper(base, tile_size=image_size // cells)
         self.image_size = image_size
+        self._both = view == "both"
+        self._tile = image_size // cells
         self._seeds = {name: seed + i for i, name in enumerate(levels)}
         self._task = levels[0]
         self._instruction = ""
@@ -181,10 +187,18 @@ class BabyAIEnv:
         return not any(np.array_equal(pos, env.front_pos) for pos in targets)
 
     def _observation(self, obs: dict[str, Any]) -> Observation:
-        """A minigrid observation dict to an ``Observation`` with a [1, H, W, 3] image."""
-        image = np.ascontiguousarray(obs["image"], dtype=np.uint8)
-        if image.shape[:2] != (self.image_size, self.image_size):  # a smaller grid, full view
+        """A minigrid observation dict to an ``Observation`` with a [V, H, W, 3] image."""
+        views = [self._padded(obs["image"])]
+        if self._both:  # the wrapper drew the egocentric view; the full one is drawn here
+            env = self._envs[self._task].unwrapped
+            views.append(self._padded(env.get_frame(highlight=False, tile_size=self._tile)))
+        return Observation(np.stack(views), self._instruction, self._task, self._steps)
+
+    def _padded(self, frame: np.ndarray) -> np.ndarray:
+        """``frame`` as uint8 [H, W, 3], a smaller grid's full view padded with black."""
+        image = np.ascontiguousarray(frame, dtype=np.uint8)
+        if image.shape[:2] != (self.image_size, self.image_size):
             padded = np.zeros((self.image_size, self.image_size, 3), dtype=np.uint8)
             padded[: image.shape[0], : image.shape[1]] = image
             image = padded
-        return Observation(image[None], self._instruction, self._task, self._steps)
+        return image
