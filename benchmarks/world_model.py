@@ -256,11 +256,18 @@ def offline_world_model(args: argparse.Namespace, policy: Path) -> dict:
     timings["pretrain_s"] = time.time() - start
     _say("evaluate on the target level")
     start = time.time()
-    played = evaluate(cfg, model, [str(heldout_data)], policy=str(policy), seed=args.seed)
+    played = evaluate(
+        cfg,
+        model,
+        [str(heldout_data)],
+        policy=str(policy),
+        seed=args.seed,
+        strip_path=folder / "eval_frames.png",
+    )
     # The random policy on the same episodes: only the play differs, not the model's errors.
     episodes, _ = select_episodes([str(heldout_data)], model, played["episodes"])
     generator = torch.Generator().manual_seed(args.seed)
-    random_play = policy_success(
+    random_play, _ = policy_success(
         cfg, *load_world_model(model), episodes, "random", args.seed, generator
     )
     timings["eval_s"] = time.time() - start

@@ -554,6 +554,8 @@ def _wm(args: argparse.Namespace, overrides: list[str], argv: list[str] | None) 
         else:
             from relayrl.wm.evaluate import evaluate, format_report
 
+            out = Path(args.out) if args.out else Path(args.world_model) / "eval.json"
+            strip = out.with_name(f"{out.stem}_frames.png")
             report = evaluate(
                 cfg,
                 args.world_model,
@@ -563,11 +565,11 @@ def _wm(args: argparse.Namespace, overrides: list[str], argv: list[str] | None) 
                 horizon=args.horizon,
                 seed=args.seed,
                 command=command,
+                strip_path=strip,
             )
-            out = Path(args.out) if args.out else Path(args.world_model) / "eval.json"
             out.write_text(json.dumps(report, indent=2) + "\n")
             print(format_report(report))
-            print(f"report: {out}")
+            print(f"report: {out}; real (above) and imagined frames: {strip}")
     except (FileNotFoundError, FileExistsError, ValueError, ImportError) as err:
         print(f"relayrl: wm {args.wm_command}: {err}", file=sys.stderr)
         return 2

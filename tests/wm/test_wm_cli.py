@@ -9,13 +9,14 @@ import json
 import math
 from pathlib import Path
 
+import matplotlib.image
 import numpy as np
 import pytest
 
 from relayrl import cli
 from relayrl.config import load_config
 from relayrl.data.trajectories import load_episodes
-from relayrl.wm.evaluate import auc, load_world_model
+from relayrl.wm.evaluate import auc, frame_strip, load_world_model
 
 pytest.importorskip("minigrid")
 
@@ -141,6 +142,22 @@ def test_eval_reports_finite_errors_success_scores_and_both_success_rates(root, 
     assert 0 <= play["imagined_success"] <= 1 and 0 <= play["real_success"] <= 1
     assert play["same_start_frames"] == 1.0  # the real env restarted every episode exactly
     assert 0 <= play["imagined_failed_early"] <= 1 and 0 <= play["real_failed_early"] <= 1
+
+
+def test_eval_draws_the_real_and_imagined_frames_beside_its_report(root):
+    strip = matplotlib.image.imread(root / "wm/eval_frames.png")
+    # 4 pairs of rows of 28-pixel frames (one view) with 1-pixel lines; 12 frames across.
+    assert strip.shape[:2] == (4 * 2 * 29, 12 * 29)
+
+
+def test_a_frame_strip_puts_real_above_imagined_and_blacks_out_the_ended_steps():
+    real = np.full((3, 2, 2, 2, 3), 200, np.uint8)  # 2 steps, 2 views of 2 x 2 pixels
+    imagined = np.full((2, 2, 2, 2, 3), 100, np.uint8)  # ended a step earlier
+    strip = frame_strip([(real, imagined)], steps=3)
+    assert strip.shape == (2 * (4 + 1), 3 * (2 + 1), 3)
+    assert (strip[0:4, 0:2] == 200).all() and (strip[4:8, 0:2] == 100).all()  # views stacked
+    assert (strip[0:4, 6:8] == 200).all() and (strip[4:8, 6:8] == 0).all()  # imagined ended
+    assert (strip[:, 2] == 128).all() and (strip[8:] == 128).all()  # grey lines
 
 
 def test_auc_by_ranks_matches_hand_counted_pairs():

@@ -10,7 +10,9 @@
 - One fixed policy's success rate in imagination (``imagine`` from each episode's real first
   frame, ended by ``imagined_termination``) against the real env from the same start (the
   episode's level and reset seed), both capped at ``world_model.max_steps`` steps; and how often
-  each ended in failure before the cap.
+  each ended in failure before the cap. ``frame_strip`` draws the first few of those episodes,
+  real above imagined, frame by frame: what per-step error hides (objects that vanish from
+  imagined frames) shows there.
 
 Episodes of a folder the world model was pretrained on count only if pretraining held them out
 (``pretrain.json`` lists them); episodes of any other folder all count.
@@ -186,9 +188,11 @@ def evaluate(
     horizon: int = 10,
     seed: int = 0,
     command: str = "",
+    strip_path: str | Path | None = None,
 ) -> dict[str, Any]:
     """Measure the world model in ``world_model`` on the episodes of ``data`` (see the module
-    doc); returns the report."""
+    doc); returns the report, and writes the policy's ``frame_strip`` to ``strip_path`` (PNG)
+    if given."""
     if episodes < 1 or horizon < 1:
         raise ValueError(f"--episodes and --horizon must be >= 1, got {episodes}, {horizon}")
     obs_model, reward_model = load_world_model(world_model)
@@ -222,7 +226,11 @@ def evaluate(
     bar.update()
     success = success_scores(reward_model, chosen, wm.threshold, wm.failure_threshold)
     bar.update()
-    play = policy_success(cfg, obs_model, reward_model, chosen, policy, seed, generator)
+    play, strip = policy_success(cfg, obs_model, reward_model, chosen, policy, seed, generator)
+    if strip_path is not None:
+        import matplotlib.image
+
+        matplotlib.image.imsave(strip_path, strip)
     bar.update()
     bar.close()
     return {
@@ -245,9 +253,10 @@ def policy_success(
     policy: str,
     seed: int,
     generator: torch.Generator,
-) -> dict[str, Any]:
+) -> tuple[dict[str, Any], np.ndarray]:
     """The success rate of ``policy`` (random or a VLA checkpoint folder) in imagination and in
-    the real env, from the start of each of ``episodes``, capped at world_model.max_steps."""
+    the real env, from the start of each of ``episodes``, capped at world_model.max_steps; and
+    the ``frame_strip`` of the first episodes, real above imagined."""
     wm = cfg.world_model
     env = ENVS[cfg.env.name](
         cfg.env.model_copy(update={"tasks": sorted({e.task for e in episodes})}), seed
@@ -282,7 +291,9 @@ def policy_success(
         env.close()
     real_success = np.array([r.success for r in real])
     imagined_success = imagined.success.numpy()
-    return {
+    lengths = imagined.lengths.numpy()
+    pairs = [(r.frames, imagined.frames[i, : lengths[i] + 1].numpy()) for i, r in enumerate(real)]
+    report = {
         "policy": policy,
         "episodes": len(episodes),
         "max_steps": wm.max_steps,
@@ -299,6 +310,32 @@ def policy_success(
         "imagined_return": float(imagined.rewards.sum(1).mean()),
         "same_start_frames": same_start / len(episodes),
     }
+    return report, frame_strip(pairs)
+
+
+def frame_strip(
+    pairs: list[tuple[np.ndarray, np.ndarray]], rows: int = 4, steps: int = 12
+) -> np.ndarray:
+    """One image of up to ``rows`` episode pairs (real frames uint8 [T + 1, V, H, W, 3], imagined
+    frames of the same start): each pair is two rows of its first ``steps`` frames, real above
+    imagined, the views of a frame stacked top to bottom; black after an episode ended, grey
+    lines between frames and pairs. Returns uint8 [height, width, 3]."""
+    if not pairs:
+        raise ValueError("frame_strip needs at least one pair of episodes")
+    views, height, width, _ = pairs[0][0].shape[1:]
+    cell_h, gap = views * height, 1
+    chosen = pairs[:rows]
+    out = np.full((len(chosen) * 2 * (cell_h + gap), steps * (width + gap), 3), 128, np.uint8)
+    for row, pair in enumerate(chosen):
+        for half, frames in enumerate(pair):
+            top = row * (2 * cell_h + 2 * gap) + half * cell_h
+            for t in range(steps):
+                left = t * (width + gap)
+                cell = np.zeros((cell_h, width, 3), dtype=np.uint8)
+                if t < len(frames):
+                    cell = np.concatenate(list(frames[t]), axis=0)
+                out[top : top + cell_h, left : left + width] = cell
+    return out
 
 
 def format_report(report: dict[str, Any]) -> str:
