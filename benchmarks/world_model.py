@@ -6,8 +6,9 @@ redo it; delete only an arm's ``done.json`` to report its finished run again):
 1. ``start``: the starting policy. ``relayrl train configs/babyai.yaml`` for ``--start-steps``
    steps (the curriculum run, stopped early); its ``checkpoint/`` is what both arms load with
    ``vla.path``, and its final S7N4 evaluation is the starting success.
-2. ``offline``: ``relayrl wm collect`` on the other levels (S5N2, S6N3) with the noisy scripted
-   bot, never the target level's solved policy; ``relayrl wm pretrain`` on them; and
+2. ``offline``: ``relayrl wm collect`` on other levels (``--collect-levels``, default S5N2 and
+   S6N3) with the noisy scripted bot, never the target level's solved policy;
+   ``relayrl wm pretrain`` on them; and
    ``relayrl wm eval`` of the pretrained model on random-policy episodes of the target level
    (collected for evaluation only), with the starting policy's success measured in imagination
    against the real env.
@@ -129,6 +130,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--target", type=float, default=0.8, help="S7N4 success to reach (0.8)")
     parser.add_argument("--start-steps", type=int, default=60, help="steps of the start policy")
     parser.add_argument("--collect-episodes", type=int, default=600, help="offline episodes")
+    parser.add_argument(
+        "--collect-levels",
+        type=lambda text: text.split(","),
+        default=OFFLINE_LEVELS,
+        help="levels of the offline episodes, comma-separated (default: S5N2 and S6N3; with "
+        "env.view=full, levels of the target's 7-cell grid, e.g. BabyAI-GoToLocalS7N5-v0)",
+    )
     parser.add_argument("--eval-data-episodes", type=int, default=48, help="target-level episodes")
     parser.add_argument("--pretrain-steps", type=int, default=2000, help="steps of each model")
     parser.add_argument("--steps", type=int, default=150, help="trainer steps of each arm")
@@ -224,19 +232,21 @@ def offline_world_model(args: argparse.Namespace, policy: Path) -> dict:
     if (found := _done(folder)) is not None:
         _say("offline world model: kept")
         return found
-    levels = ",".join([TARGET_LEVEL, *OFFLINE_LEVELS])
+    if TARGET_LEVEL in args.collect_levels:
+        raise ValueError(f"--collect-levels must not include the target level {TARGET_LEVEL}")
+    levels = ",".join([TARGET_LEVEL, *args.collect_levels])
     cfg = _arm_config(args, [f"env.tasks=[{levels}]", f"env.eval_tasks=[{TARGET_LEVEL}]"])
     _fresh(folder).mkdir(parents=True)
     timings = {}
     start = time.time()
-    _say(f"collect {args.collect_episodes} noisy scripted episodes on {OFFLINE_LEVELS}")
+    _say(f"collect {args.collect_episodes} noisy scripted episodes on {args.collect_levels}")
     data = folder / "data"
     collected = collect(
         cfg,
         data,
         episodes=args.collect_episodes,
         policy="noisy_scripted",
-        levels=OFFLINE_LEVELS,
+        levels=args.collect_levels,
         seed=args.seed,
     )
     heldout_data = folder / "target_random"
