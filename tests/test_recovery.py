@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import sys
+from pathlib import Path
 
 import pytest
 import ray
@@ -206,16 +207,20 @@ class Doomed:
     the step after the third of its open segment kills the worker's process. Its last closed
     segment is then 2 + 3 = 5 steps behind it. The plan starts again when an episode ends
     (closing a segment) between the two. Every step keeps to the worker's rule: a segment closes
-    when its episode ends or it holds ``segment_len`` steps."""
+    when its episode ends or it holds ``segment_len`` steps. ``killed`` is a file written just
+    before the kill: the replacement worker (same seed) then gets a plain env, however many
+    steps it takes before the run ends. Each time the plan starts again after a crash it adds a
+    character to the file ``restarts`` beside it."""
 
-    def __init__(self, ec: EnvConfig, victim: int, segment_len: int):
-        self.ec, self.victim, self.segment_len = ec, victim, segment_len
+    def __init__(self, ec: EnvConfig, victim: int, segment_len: int, killed: Path):
+        self.ec, self.victim, self.segment_len, self.killed = ec, victim, segment_len, killed
         self.open = 0  # steps in the worker's open segment
         self.crashed = False  # since the worker's last closed segment
 
     def __call__(self, seed: int):
         env = build_env(self.ec, seed)
-        return _DoomedEnv(env, self) if seed == self.victim else env
+        doomed = seed == self.victim and not self.killed.exists()
+        return _DoomedEnv(env, self) if doomed else env
 
 
 class _DoomedEnv:
@@ -232,10 +237,14 @@ class _DoomedEnv:
             plan.crashed, plan.open = True, 0
             raise RuntimeError("simulator crashed")
         if plan.crashed and plan.open == 3:
+            plan.killed.touch()
             os.kill(os.getpid(), signal.SIGKILL)
         result = self.env.step(action)
         plan.open += 1
         if result.terminated or result.truncated or plan.open == plan.segment_len:
+            if plan.crashed:  # a segment closed after the crash: the books hear of its 2 steps
+                with plan.killed.with_name("restarts").open("a") as restarts:
+                    restarts.write("1")
             plan.open, plan.crashed = 0, False
         return result
 
@@ -251,7 +260,7 @@ def test_a_dead_rollout_workers_steps_after_its_last_segment_are_lost_unfinished
     ray_session.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     cfg = tiny_config(*EMBODIED, f"mode={mode}")
     victim = cfg.run.seed + 1 + 1000  # rollout worker 0's env (EmbodiedWorkload._worker)
-    doomed = Doomed(cfg.env, victim, cfg.rollout.segment_len)
+    doomed = Doomed(cfg.env, victim, cfg.rollout.segment_len, tmp_path / "killed")
     summary = job.train(cfg, tmp_path / "run", make_env=doomed)
 
     assert summary["status"] == "finished" and summary["steps"] == cfg.steps
@@ -262,4 +271,7 @@ def test_a_dead_rollout_workers_steps_after_its_last_segment_are_lost_unfinished
     # never taken).
     assert failure["unfinished"] == 5
     samples = check_books(summary)
-    assert samples["lost_unfinished"] == 5 and samples["dropped_error"] == 0
+    # Only crashes whose steps a later closed segment reported are dropped_error (2 each).
+    restarts = tmp_path / "restarts"
+    reported = len(restarts.read_text()) if restarts.exists() else 0
+    assert samples["lost_unfinished"] == 5 and samples["dropped_error"] == 2 * reported
