@@ -22,8 +22,9 @@ model in any actor): with shm every replica takes every version, with object_sto
   reference; they form no process group. Each publishes its rows of every tensor (the layout
   FSDP2's ``Shard(0)`` gives), so receivers reassemble the model from ``ranks`` shards as they do
   from a real group.
-- rewarder replica (``StubRewarder``): a stub, not the real ``Rewarder`` (which loads a tokenizer
-  and decodes): it concatenates the batches, sets reward = finished and returns at once.
+- rewarder replica (``StubRewarder``): a stub, not the real ``Rewarder`` (which runs the
+  scorer on each completion): it concatenates the batches, sets reward = finished and returns at
+  once.
 
 Every placement runs the loop once per transport in ``--transports`` (object_store, then shm:
 what ``sync.transport=auto`` picks on one host), on the same actors, with weight sync rewired in

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from relayrl.config import Config, load_config
+from relayrl.executors.generator import decode_completions
 from relayrl.types import RolloutBatch
 
 QUIET = ["log.progress=false", "log.tensorboard=false", "log.report=false"]
@@ -27,7 +28,8 @@ def shm_files() -> set[str]:
 
 
 def text_batch(tokenizer, completions: list[str], answers: list[str], finished: list[bool]):
-    """One group: prompt "1+2=" then each completion, with EOS where it ``finished``."""
+    """One group: prompt "1+2=" then each completion, with EOS where it ``finished``, decoded as
+    the generator decodes."""
     prompt = tokenizer("1+2=", add_special_tokens=False)["input_ids"]
     rows = [tokenizer(c, add_special_tokens=False)["input_ids"] for c in completions]
     rows = [r + [tokenizer.eos_token_id] * done for r, done in zip(rows, finished, strict=True)]
@@ -46,6 +48,7 @@ def text_batch(tokenizer, completions: list[str], answers: list[str], finished: 
         finished=np.array(finished),
         group_size=len(rows),
         answers=answers,
+        completions=decode_completions(tokenizer, rows),
     )
 
 

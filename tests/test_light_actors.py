@@ -1,5 +1,6 @@
-"""Actors that never touch a tensor (rollout workers, replay buffers) start without torch: what
-they unpickle imports none (torch costs about 2 s of CPU per process on a 2-core machine)."""
+"""Actors that never touch a tensor (rollout workers, replay buffers, rewarders) start without
+torch: what they unpickle imports none (torch costs about 2 s of CPU per process on a 2-core
+machine)."""
 
 from __future__ import annotations
 
@@ -49,6 +50,23 @@ def test_a_rollout_workers_env_factory_and_sampler_run_without_torch():
         "env.step(2)"
     )
     _runs_without_torch(payload, code)
+
+
+def test_a_rewarder_scores_the_generators_text_without_torch():
+    from relayrl.executors.rewarder import Rewarder
+
+    cfg = load_config(None, [])
+    code = (
+        "import numpy as np\n"
+        "from relayrl.types import RolloutBatch\n"
+        "cls, cfg = obj\n"
+        "batch = RolloutBatch(tokens=np.zeros((2, 3), dtype=np.int64), prompt_len=np.ones(2),\n"
+        "    completion_len=np.full(2, 2), logprobs=np.zeros((2, 3), dtype=np.float32),\n"
+        "    versions=np.zeros((2, 3), dtype=np.int64), finished=np.ones(2, dtype=bool),\n"
+        "    group_size=2, answers=['7', '7'], completions=['7', '8'])\n"
+        "assert cls(cfg).score(batch)[1].rewards.tolist() == [1.0, 0.0]"
+    )
+    _runs_without_torch((Rewarder, cfg), code)
 
 
 def test_every_function_run_inside_an_actor_loads_without_torch():

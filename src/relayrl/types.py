@@ -37,7 +37,7 @@ class RolloutBatch:
     finished: np.ndarray  # [B] bool, the completion ended with EOS
     group_size: int
     answers: list[str]  # reference answer of each sample
-    completions: list[str] = field(default_factory=list)  # decoded text, filled by the rewarder
+    completions: list[str] = field(default_factory=list)  # decoded text, by the generator
     rewards: np.ndarray | None = None  # [B] float32, filled by the rewarder
     score_errors: int = 0  # scorer calls that raised, filled by the rewarder
     ref_logprobs: np.ndarray | None = None  # [B, L] float32 like logprobs, by the reference

@@ -5,8 +5,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
+import pytest
 from conftest import text_batch, tiny_config
 
 from relayrl.executors.rewarder import Rewarder
@@ -26,6 +28,13 @@ def test_exact_answer_scores_decoded_completions_and_zero_without_eos():
     assert scored.completions == ["975", "976", "975"]
     assert scored.rewards.tolist() == [1.0, 0.0, 0.0]  # the third was cut before EOS
     assert summary["errors"] == 0 and summary["timeouts"] == 0
+
+
+def test_a_batch_without_the_generators_text_is_refused_with_what_to_do():
+    cfg = tiny_config()
+    batch = text_batch(load_tokenizer(cfg.model.tokenizer_source), ["975"], ["975"], [True])
+    with pytest.raises(ValueError, match="completions has 0 texts for 1 samples"):
+        Rewarder(cfg).score(replace(batch, completions=[]))
 
 
 def test_math_scorer_runs_sandboxed_and_counts_timeouts():

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import random
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -257,7 +258,7 @@ class Generator:
         answers = [self.groups[g].answer for g in done for _ in self.groups[g].samples]
         for g in done:
             del self.groups[g]
-        return _to_batch(samples, answers, group_size=self.cfg.group_size)
+        return _to_batch(samples, answers, self.cfg.group_size, self.tokenizer)
 
 
 def probe_problems(cfg: Config) -> list[Problem]:
@@ -301,7 +302,7 @@ def complete(
             sample.tokens, sample.logprobs, sample.finished = tokens, logprobs, finished
             sample.versions = [version] * len(tokens)
             _stop_at_string(codec, sample)
-    return _to_batch(samples, [a for a in answers for _ in range(k)], group_size=k)
+    return _to_batch(samples, [a for a in answers for _ in range(k)], k, codec.tokenizer)
 
 
 def _stop_at_string(codec: Any, sample: _Sample) -> None:
@@ -314,7 +315,15 @@ def _stop_at_string(codec: Any, sample: _Sample) -> None:
     sample.finished = True
 
 
-def _to_batch(samples: list[_Sample], answers: list[str], group_size: int) -> RolloutBatch:
+def decode_completions(tokenizer: Any, samples: Sequence[Sequence[int]]) -> list[str]:
+    """The text of each completion's tokens, special tokens (EOS, padding) left out: what the
+    rewarder scores, so it needs no tokenizer and starts without torch."""
+    return tokenizer.batch_decode([list(t) for t in samples], skip_special_tokens=True)
+
+
+def _to_batch(
+    samples: list[_Sample], answers: list[str], group_size: int, tokenizer: Any
+) -> RolloutBatch:
     width = max((len(s.prompt) + len(s.tokens) for s in samples), default=0)
     count = len(samples)
     tokens = np.zeros((count, width), dtype=np.int64)
@@ -335,4 +344,5 @@ def _to_batch(samples: list[_Sample], answers: list[str], group_size: int) -> Ro
         finished=np.array([s.finished for s in samples], dtype=bool),
         group_size=group_size,
         answers=answers,
+        completions=decode_completions(tokenizer, [s.tokens for s in samples]),
     )

@@ -1,5 +1,6 @@
-"""Rewarder executor: decodes completions and scores them with a rule-based scorer (the config's
-``rewarder.scorer``, or a ``rule`` function of the user's, run in this process).
+"""Rewarder executor: scores completions' text (decoded by the generator that sampled them) with a
+rule-based scorer (the config's ``rewarder.scorer``, or a ``rule`` function of the user's, run in
+this process). It loads no tokenizer and imports no torch, so a rewarder starts in about a second.
 
 A completion that did not end with EOS scores 0 (it was cut at the length limit). A scorer that
 raises scores 0 for that sample and is counted in ``errors`` (and the batch's ``score_errors``); the
@@ -18,7 +19,6 @@ from dataclasses import replace
 import numpy as np
 
 from relayrl.config import Config
-from relayrl.models.lm import load_tokenizer
 from relayrl.observability.tracing import Span, Tracer
 from relayrl.rewards.exact import exact_answer
 from relayrl.rewards.sandbox import ScoringPool
@@ -33,7 +33,6 @@ class Rewarder:
     name = "rewarder"
 
     def __init__(self, cfg: Config, rule: Callable[[str, str], float] | None = None):
-        self.tokenizer = load_tokenizer(cfg.model.tokenizer_source)
         rc = cfg.rewarder
         # Scorers that parse model output (math) run in a sandboxed pool; exact matching is safe
         # and cheap enough to run here.
@@ -46,17 +45,19 @@ class Rewarder:
         self.timeouts = 0
 
     def score(self, *batches: RolloutBatch) -> tuple[dict[str, float], RolloutBatch]:
-        """A small summary, and one batch (``batches`` one after the other) with
-        ``completions``, ``rewards`` and ``score_errors`` filled in."""
+        """A small summary, and one batch (``batches`` one after the other) with ``rewards`` and
+        ``score_errors`` filled in; each batch must carry its ``completions`` (the generator's)."""
         with self.tracer.span("score"):
             return self._score(RolloutBatch.concat(batches))
 
     def _score(self, batch: RolloutBatch) -> tuple[dict[str, float], RolloutBatch]:
         start = time.perf_counter()
-        texts = [
-            self.tokenizer.decode(row[p : p + c], skip_special_tokens=True)
-            for row, p, c in zip(batch.tokens, batch.prompt_len, batch.completion_len, strict=True)
-        ]
+        texts = batch.completions
+        if len(texts) != len(batch):
+            raise ValueError(
+                f"RolloutBatch.completions has {len(texts)} texts for {len(batch)} samples: the "
+                "rewarder scores the text the generator decoded (generator.decode_completions)"
+            )
         rewards = np.zeros(len(batch), dtype=np.float32)
         finished = np.flatnonzero(batch.finished)  # a completion cut at the length limit scores 0
         scores, errors, timeouts = self._score_pairs(
@@ -74,7 +75,7 @@ class Rewarder:
             "reward_mean": float(rewards.mean()) if len(batch) else 0.0,
             "busy_s": elapsed,
         }
-        scored = replace(batch, completions=texts, rewards=rewards, score_errors=errors)
+        scored = replace(batch, rewards=rewards, score_errors=errors)
         return summary, replace(scored, rule_rewards=rewards.copy())  # kept as later stages mix
 
     def _score_pairs(self, pairs: list[tuple[str, str]]) -> tuple[list[float], int, int]:
