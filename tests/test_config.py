@@ -461,3 +461,11 @@ def test_several_envs_per_worker_need_the_async_loop():
         load_config(None, ["workload=embodied", "mode=sync", "rollout.envs_per_worker=2"])
     cfg = load_config(None, ["workload=embodied", "mode=async", "rollout.envs_per_worker=2"])
     assert cfg.rollout.envs_per_worker == 2
+
+
+@pytest.mark.parametrize("wait_at", [511, 4097])
+def test_replay_wait_at_outside_batch_to_capacity_is_refused(wait_at):
+    expected = rf"replay.wait_at={wait_at} must be from batch_steps=512"
+    with pytest.raises(ConfigError, match=expected):
+        load_config(None, ["workload=embodied", f"replay.wait_at={wait_at}"])
+    assert load_config(None, ["workload=embodied", "replay.wait_at=512"]).replay.wait_at == 512

@@ -652,12 +652,27 @@ class ReplayConfig(_Section):
     batch_steps: int = Field(
         512, ge=1, description="Env steps per super-batch, one trainer step (sync and async)."
     )
+    wait_at: int | None = Field(
+        None,
+        ge=1,
+        description="async: a rollout worker whose put leaves the buffer holding this many env "
+        "steps waits until the trainer takes a batch, so workers run at most this far ahead and "
+        "generate nothing that ages past max_staleness (the CPU goes to the trainer instead); "
+        "from batch_steps to capacity_steps. null: workers never wait (older segments are "
+        "evicted or dropped as stale).",
+    )
 
     @model_validator(mode="after")
     def _batch_fits(self) -> ReplayConfig:
         if self.batch_steps > self.capacity_steps:
             raise ValueError(
                 f"batch_steps={self.batch_steps} must be <= capacity_steps={self.capacity_steps}"
+            )
+        if self.wait_at is not None and not self.batch_steps <= self.wait_at <= self.capacity_steps:
+            raise ValueError(
+                f"replay.wait_at={self.wait_at} must be from batch_steps={self.batch_steps} to "
+                f"capacity_steps={self.capacity_steps} (fewer would leave the trainer waiting for "
+                "a batch the waiting workers never finish)"
             )
         return self
 

@@ -172,3 +172,60 @@ def test_bad_arguments_are_named():
         ReplayBuffer(0, max_staleness=None)
     with pytest.raises(ValueError, match=r"min_steps must be in \[1, capacity_steps=5\], got 6"):
         ReplayBuffer(5, max_staleness=None).get(6, 0)
+    with pytest.raises(ValueError, match=r"wait_at must be in \[1, capacity_steps=5\], got 6"):
+        ReplayBuffer(5, max_staleness=None, wait_at=6)
+
+
+def test_with_wait_at_a_writer_waits_for_room_until_a_get_or_a_stale_drop_or_close():
+    buffer = ReplayBuffer(16, max_staleness=1, wait_at=6)
+    assert buffer.put_many([segment(0, [5, 5]), segment(1, [5, 5])]) is False  # 4 of 6 steps
+    assert buffer.wait_for_room(timeout_s=0) is True
+    assert buffer.put_many([segment(2, [5, 5])]) is True  # 6 steps: the writer should wait
+    assert buffer.wait_for_room(timeout_s=0.05) is False  # still full after the timeout
+    assert buffer.put_many([segment(3, [5, 5])]) is True  # puts never block, even when full
+
+    woke = []
+    writer = threading.Thread(target=lambda: woke.append(buffer.wait_for_room()))
+    writer.start()
+    writer.join(0.2)
+    assert writer.is_alive()  # 8 steps held: no room yet
+    assert ids(buffer.get(4, trainer_version=5)) == [0, 1]  # 4 steps left: room
+    writer.join(5)
+    assert woke == [True]
+
+    buffer.put_many([segment(4, [6, 6])])  # 6 steps again
+    waiter = threading.Thread(target=lambda: woke.append(buffer.wait_for_room()))
+    waiter.start()
+    # A get for version 7 drops the version-5 segments as stale (2 left, fewer than it asks):
+    # the writer gets room although the get itself keeps waiting.
+    timed_out = []
+
+    def read() -> None:
+        try:
+            buffer.get(4, trainer_version=7, timeout_s=0.5)
+        except TimeoutError:
+            timed_out.append(True)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    waiter.join(5)
+    assert woke == [True, True]
+    reader.join(5)
+    assert timed_out == [True]
+
+    buffer.put_many([segment(5, [7, 7]), segment(6, [7, 7])])  # 6 steps
+    closing = threading.Thread(target=lambda: woke.append(buffer.wait_for_room()))
+    closing.start()
+    buffer.close()
+    closing.join(5)
+    assert woke == [True, True, True]
+    stats = buffer.stats()
+    assert stats["writer_wait_s"] > 0.05 and stats["resident_max_steps"] == 8
+    assert stats["put_steps"] == stats["taken_steps"] + stats["dropped_stale_steps"] + 6
+
+
+def test_without_wait_at_a_writer_never_waits():
+    buffer = ReplayBuffer(4, max_staleness=None)
+    assert buffer.put_many([segment(i, [0, 0]) for i in range(3)]) is False  # overflow evicts
+    assert buffer.wait_for_room(timeout_s=0) is True
+    assert buffer.stats()["dropped_overflow_steps"] == 2

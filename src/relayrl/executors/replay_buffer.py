@@ -1,8 +1,11 @@
 """Replay buffer: a FIFO of trajectory segments between rollout workers and the trainer.
 
-Writers never wait: when the buffer is full, ``put`` evicts the oldest segments. The trainer takes
-super-batches of whole segments, oldest first, after dropping those whose oldest action is more
-than ``max_staleness`` versions behind it. Every env step is accounted for:
+``put`` never waits: when the buffer is full, it evicts the oldest segments. With ``wait_at``
+set, a writer asks ``wait_for_room`` after its put, which returns once the buffer holds fewer
+than ``wait_at`` env steps (the trainer took a batch), so writers never run further ahead of the
+trainer than that and generate no env step only for it to age past ``max_staleness``. The
+trainer takes super-batches of whole segments, oldest first, after dropping those whose oldest
+action is more than ``max_staleness`` versions behind it. Every env step is accounted for:
 ``put == taken + dropped_stale + dropped_overflow + resident``.
 
 As a Ray actor it must be threaded (``max_concurrency`` > 1), so that a ``get`` waiting for data
@@ -36,13 +39,22 @@ class ReplayBuffer:
 
     name = "replay_buffer"
 
-    def __init__(self, capacity_steps: int, *, max_staleness: int | None):
+    def __init__(
+        self, capacity_steps: int, *, max_staleness: int | None, wait_at: int | None = None
+    ):
         if capacity_steps < 1:
             raise ValueError(f"capacity_steps must be >= 1, got {capacity_steps}")
         if max_staleness is not None and max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0 or None, got {max_staleness}")
+        if wait_at is not None and not 1 <= wait_at <= capacity_steps:
+            raise ValueError(
+                f"wait_at must be in [1, capacity_steps={capacity_steps}], got {wait_at}"
+            )
         self.capacity_steps = capacity_steps
         self.max_staleness = max_staleness
+        self.wait_at = wait_at
+        self._writer_wait_s = 0.0
+        self._resident_max = 0
         self._segments: deque[Segment] = deque()
         self._resident_steps = 0
         self._closed = False
@@ -69,12 +81,30 @@ class ReplayBuffer:
                 self._count("dropped_overflow", self._pop())
             self._segments.append(segment)
             self._resident_steps += steps
+            self._resident_max = max(self._resident_max, self._resident_steps)
             self._cond.notify_all()
 
-    def put_many(self, segments: list[Segment]) -> None:
-        """``put`` each of ``segments``, in order (one call for a worker's round)."""
+    def put_many(self, segments: list[Segment]) -> bool:
+        """``put`` each of ``segments``, in order (one call for a worker's round); returns whether
+        the buffer now holds ``wait_at`` env steps or more (the writer should ``wait_for_room``)."""
         for segment in segments:
             self.put(segment)
+        with self._cond:
+            return self._full()
+
+    def wait_for_room(self, timeout_s: float | None = None) -> bool:
+        """Block while the buffer holds ``wait_at`` env steps or more, until it is closed, or
+        ``timeout_s`` seconds (None: no limit); returns whether there is room now. Returns at
+        once without ``wait_at``."""
+        start = time.monotonic()
+        with self._cond:
+            try:
+                return self._cond.wait_for(lambda: self._closed or not self._full(), timeout_s)
+            finally:
+                self._writer_wait_s += time.monotonic() - start
+
+    def _full(self) -> bool:
+        return self.wait_at is not None and self._resident_steps >= self.wait_at
 
     def get(
         self, min_steps: int, trainer_version: int, timeout_s: float | None = None
@@ -112,25 +142,31 @@ class ReplayBuffer:
                 self._count("taken", segment)
                 batch.append(segment)
                 steps += len(segment)
+            self._cond.notify_all()  # writers waiting for room
             return batch
 
     def close(self) -> None:
-        """Wake every waiting ``get`` with ``ReplayBufferClosed``; later gets raise it too."""
+        """Wake every waiting ``get`` with ``ReplayBufferClosed`` (later gets raise it too) and
+        every writer waiting for room."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
 
     def stats(self) -> dict:
-        """Env steps and segments put, taken, dropped (stale, overflow) and resident; occupancy
-        (resident steps / capacity), seconds readers spent waiting, and each worker's books
+        """Env steps and segments put, taken, dropped (stale, overflow) and resident (now and at
+        most); occupancy
+        (resident steps / capacity), seconds readers spent waiting and writers waiting for room
+        (summed over writers), and each worker's books
         (env steps, steps dropped by env errors) as of its last put."""
         with self._cond:
             return {
                 **self._counts,
                 "resident_steps": self._resident_steps,
                 "resident_segments": len(self._segments),
+                "resident_max_steps": self._resident_max,
                 "occupancy": self._resident_steps / self.capacity_steps,
                 "reader_wait_s": self._wait_s,
+                "writer_wait_s": self._writer_wait_s,
                 "workers": dict(self._workers),
             }
 
@@ -164,6 +200,8 @@ class ReplayBuffer:
                     self._resident_steps -= len(segment)
                 else:
                     keep.append(segment)
+            if len(keep) < len(self._segments):
+                self._cond.notify_all()  # writers waiting for room
             self._segments = keep
         return self._resident_steps
 

@@ -175,6 +175,7 @@ class RolloutWorker:
         }
         self._busy_s = 0.0
         self._wait_s = 0.0
+        self._sink_wait_s = 0.0
         self.imaginer: Imaginer | None = None
         self._finished: list[Episode] = []  # with imagination: episodes ended, not imagined from
 
@@ -216,9 +217,11 @@ class RolloutWorker:
         callable, or a ``SocketServiceClient``); one with ``act_many`` (observations, worker,
         env steps -> replies) is asked for every env's action at once. ``sink`` takes a segment
         (e.g. puts it into the replay buffer); one with ``put_many`` takes the segments a round
-        closed in one call. Their errors are not contained: they propagate out
-        of ``run``. An unfinished segment stays open and continues at the next ``run`` or
-        ``step``. A ``service`` with a ``close`` method is closed when ``run`` returns.
+        closed in one call, and one with ``wait_for_room(stop_event)`` is asked after each put
+        (it returns when the buffer has room or the worker is stopped). Their errors are not
+        contained: they propagate out of ``run``. An unfinished segment stays open and continues
+        at the next ``run`` or ``step``. A ``service`` with a ``close`` method is closed when
+        ``run`` returns.
         """
         emitted = 0
         try:
@@ -239,6 +242,10 @@ class RolloutWorker:
                     for segment in closed:
                         sink(segment)
                 emitted += len(closed)
+                if closed and hasattr(sink, "wait_for_room"):
+                    start = time.perf_counter()
+                    sink.wait_for_room(self._stop)
+                    self._sink_wait_s += time.perf_counter() - start
                 while self.imaginer is not None and self._finished:
                     episode = self._finished.pop(0)
                     self.imaginer.after_episode(episode, service, *asked)
@@ -263,7 +270,8 @@ class RolloutWorker:
     def stats(self) -> dict:
         """Counters since the start: env steps, segments and their steps, episodes, per-task
         episodes and successes, env errors and the steps they cost, recent error messages, steps
-        of the open segment, busy seconds (in env reset/step) and wait seconds (on the service)."""
+        of the open segment, busy seconds (in env reset/step), wait seconds on the service and on
+        the sink (for room in the replay buffer)."""
         with self._lock:
             imagined = self.imaginer.counts if self.imaginer is not None else {}
             return {
@@ -274,6 +282,7 @@ class RolloutWorker:
                 "last_errors": list(self._errors),
                 "busy_s": self._busy_s,
                 "wait_s": self._wait_s,
+                "sink_wait_s": self._sink_wait_s,
             }
 
     def state_dict(self) -> dict:

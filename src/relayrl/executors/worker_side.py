@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -165,17 +166,27 @@ class ServiceClient:
 
 
 class BufferSink:
-    """Where a rollout worker actor puts its segments: the replay-buffer actor."""
+    """Where a rollout worker actor puts its segments: the replay-buffer actor. After a put that
+    leaves the buffer at its ``wait_at``, the worker waits for room (``wait_for_room``)."""
+
+    POLL_S = 0.5  # how often a waiting worker looks at its stop flag
 
     def __init__(self, buffer: Any):
         self.buffer = buffer
+        self.full = False
 
     def __call__(self, segment: Any) -> None:
-        ray.get(self.buffer.put.remote(segment))
+        self.put_many([segment])
 
     def put_many(self, segments: list[Any]) -> None:
         """Put ``segments`` in one call, in order."""
-        ray.get(self.buffer.put_many.remote(segments))
+        self.full = ray.get(self.buffer.put_many.remote(segments))
+
+    def wait_for_room(self, stop: threading.Event) -> None:
+        """After a put that filled the buffer to its ``wait_at``: wait until it has room again
+        or ``stop`` is set."""
+        while self.full and not stop.is_set():
+            self.full = not ray.get(self.buffer.wait_for_room.remote(self.POLL_S))
 
 
 class WorldModelClient:

@@ -167,11 +167,17 @@ class EmbodiedWorkload:
         )
         self.vla = vla
         self.services = Group("inference_service", [self._service(i) for i in range(replicas)])
-        # Threaded: a blocking get must not hold up the workers' puts.
+        # Threaded: a blocking get must not hold up the workers' puts, nor workers waiting for
+        # room (one thread each) the get that makes room.
+        waiting = cfg.rollout.workers if cfg.replay.wait_at is not None else 0
         self.replay_buffer = (
             remote_class(ReplayBuffer)
-            .options(max_concurrency=4, **at("replay_buffer", 0))
-            .remote(cfg.replay.capacity_steps, max_staleness=cfg.max_staleness)
+            .options(max_concurrency=4 + waiting, **at("replay_buffer", 0))
+            .remote(
+                cfg.replay.capacity_steps,
+                max_staleness=cfg.max_staleness,
+                wait_at=cfg.replay.wait_at,
+            )
         )
         workers = range(cfg.rollout.workers)
         self.worker_ids = list(workers)
@@ -693,6 +699,9 @@ class EmbodiedWorkload:
                 "occupancy_mean": sum(occupancy) / max(len(occupancy), 1),
                 "occupancy_end": buffer["occupancy"],
                 "reader_wait_s": buffer["reader_wait_s"],
+                "resident_max_steps": buffer["resident_max_steps"],
+                "wait_at": self.cfg.replay.wait_at,
+                "writer_wait_s": buffer["writer_wait_s"],
             },
             "dwr": {"enabled": self.cfg.rollout.dwr, "weights": self.choice.dwr.weights()},
             "curriculum": self.choice.summary(),
