@@ -313,25 +313,26 @@ def test_a_run_that_drops_most_imagined_steps_untrained_says_which_knobs_balance
 
 
 def test_workers_that_wait_for_room_stay_within_it_and_stop_for_a_checkpoint(ray_session, tmp_path):
-    # Two envs per worker outrun this tiny trainer (the test above), filling the buffer to its
-    # capacity; with replay.wait_at a worker waits after a put that reaches it, so the buffer
-    # never holds more than wait_at plus one round of every worker (2 workers x 2 segments of 4
-    # steps), and a checkpoint's stop reaches workers that are waiting.
+    # Two envs per worker outrun this tiny trainer (the test above), filling the buffer to 43
+    # steps and more; with replay.wait_at a worker waits after a put that leaves 8 steps unless
+    # the trainer's fetch waits for its batch (16), so the buffer never holds more than 15 steps
+    # plus one round of every worker (2 workers x 2 segments of 4 steps), and a checkpoint's stop
+    # reaches workers that are waiting.
     cfg = tiny_config(
         *SMALL,
         "mode=async",
         "max_staleness=2",
         "steps=6",
         "rollout.envs_per_worker=2",
-        "replay.wait_at=16",
+        "replay.wait_at=8",
         "run.checkpoint_every=2",
     )
     summary = train(cfg, tmp_path / "run")
     assert summary["status"] == "finished" and summary["steps"] == 6
     samples = check_books(summary)
     replay = summary["replay"]
-    assert 16 <= replay["resident_max_steps"] <= 16 + 2 * 2 * 4 < cfg.replay.capacity_steps
+    assert 16 <= replay["resident_max_steps"] <= 15 + 2 * 2 * 4
     assert samples["dropped_overflow"] == 0
-    assert replay["wait_at"] == 16 and replay["writer_wait_s"] > 0
+    assert replay["wait_at"] == 8 and replay["writer_wait_s"] > 0
     written = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step-*"))
     assert written[-2:] == ["step-00000002", "step-00000004"]  # mid-run, workers stopped

@@ -655,11 +655,12 @@ class ReplayConfig(_Section):
     wait_at: int | None = Field(
         None,
         ge=1,
-        description="async: a rollout worker whose put leaves the buffer holding this many env "
-        "steps waits until the trainer takes a batch, so workers run at most this far ahead and "
-        "generate nothing that ages past max_staleness (the CPU goes to the trainer instead); "
-        "from batch_steps to capacity_steps. null: workers never wait (older segments are "
-        "evicted or dropped as stale).",
+        description="async: a rollout worker whose put leaves this many env steps in the buffer "
+        "waits until the trainer asks for its next batch, so workers make only the batch asked "
+        "for (plus at most this many steps) and their CPU goes to the trainer instead of to env "
+        "steps that would wait a step longer (lag 2 rather than 1) or age past max_staleness; "
+        "at most capacity_steps. null: workers never wait (older segments are evicted or "
+        "dropped as stale).",
     )
 
     @model_validator(mode="after")
@@ -668,11 +669,9 @@ class ReplayConfig(_Section):
             raise ValueError(
                 f"batch_steps={self.batch_steps} must be <= capacity_steps={self.capacity_steps}"
             )
-        if self.wait_at is not None and not self.batch_steps <= self.wait_at <= self.capacity_steps:
+        if self.wait_at is not None and self.wait_at > self.capacity_steps:
             raise ValueError(
-                f"replay.wait_at={self.wait_at} must be from batch_steps={self.batch_steps} to "
-                f"capacity_steps={self.capacity_steps} (fewer would leave the trainer waiting for "
-                "a batch the waiting workers never finish)"
+                f"replay.wait_at={self.wait_at} must be <= capacity_steps={self.capacity_steps}"
             )
         return self
 

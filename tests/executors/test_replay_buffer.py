@@ -176,7 +176,7 @@ def test_bad_arguments_are_named():
         ReplayBuffer(5, max_staleness=None, wait_at=6)
 
 
-def test_with_wait_at_a_writer_waits_for_room_until_a_get_or_a_stale_drop_or_close():
+def test_with_wait_at_a_writer_waits_for_room_until_a_get_takes_or_asks_or_close():
     buffer = ReplayBuffer(16, max_staleness=1, wait_at=6)
     assert buffer.put_many([segment(0, [5, 5]), segment(1, [5, 5])]) is False  # 4 of 6 steps
     assert buffer.wait_for_room(timeout_s=0) is True
@@ -193,27 +193,23 @@ def test_with_wait_at_a_writer_waits_for_room_until_a_get_or_a_stale_drop_or_clo
     writer.join(5)
     assert woke == [True]
 
-    buffer.put_many([segment(4, [6, 6])])  # 6 steps again
+    assert buffer.put_many([segment(4, [6, 6])]) is True  # 6 steps again
     waiter = threading.Thread(target=lambda: woke.append(buffer.wait_for_room()))
     waiter.start()
-    # A get for version 7 drops the version-5 segments as stale (2 left, fewer than it asks):
-    # the writer gets room although the get itself keeps waiting.
-    timed_out = []
-
-    def read() -> None:
-        try:
-            buffer.get(4, trainer_version=7, timeout_s=0.5)
-        except TimeoutError:
-            timed_out.append(True)
-
-    reader = threading.Thread(target=read)
+    waiter.join(0.2)
+    assert waiter.is_alive()
+    # A get that asks for more than the buffer holds gives the writers room: they make the
+    # batch the trainer waits for, however many steps wait_at allows.
+    taken = []
+    reader = threading.Thread(target=lambda: taken.append(buffer.get(8, trainer_version=6)))
     reader.start()
     waiter.join(5)
     assert woke == [True, True]
+    assert buffer.put_many([segment(5, [6, 6])]) is False  # 8 steps, but the reader asked
     reader.join(5)
-    assert timed_out == [True]
+    assert [ids(batch) for batch in taken] == [[2, 3, 4, 5]]
 
-    buffer.put_many([segment(5, [7, 7]), segment(6, [7, 7])])  # 6 steps
+    buffer.put_many([segment(6, [7, 7] * 3)])  # 6 steps
     closing = threading.Thread(target=lambda: woke.append(buffer.wait_for_room()))
     closing.start()
     buffer.close()
@@ -221,7 +217,7 @@ def test_with_wait_at_a_writer_waits_for_room_until_a_get_or_a_stale_drop_or_clo
     assert woke == [True, True, True]
     stats = buffer.stats()
     assert stats["writer_wait_s"] > 0.05 and stats["resident_max_steps"] == 8
-    assert stats["put_steps"] == stats["taken_steps"] + stats["dropped_stale_steps"] + 6
+    assert stats["put_steps"] == stats["taken_steps"] + 6
 
 
 def test_without_wait_at_a_writer_never_waits():

@@ -2,11 +2,12 @@
 
 ``put`` never waits: when the buffer is full, it evicts the oldest segments. With ``wait_at``
 set, a writer asks ``wait_for_room`` after its put, which returns once the buffer holds fewer
-than ``wait_at`` env steps (the trainer took a batch), so writers never run further ahead of the
-trainer than that and generate no env step only for it to age past ``max_staleness``. The
-trainer takes super-batches of whole segments, oldest first, after dropping those whose oldest
-action is more than ``max_staleness`` versions behind it. Every env step is accounted for:
-``put == taken + dropped_stale + dropped_overflow + resident``.
+than ``wait_at`` env steps or a ``get`` is waiting for more: writers then make only the batch the
+trainer has asked for (the controller asks for the next one as the current one starts
+training), plus at most ``wait_at`` steps, and generate no env step only for it to age past
+``max_staleness``. The trainer takes super-batches of whole segments, oldest first, after
+dropping those whose oldest action is more than ``max_staleness`` versions behind it. Every env
+step is accounted for: ``put == taken + dropped_stale + dropped_overflow + resident``.
 
 As a Ray actor it must be threaded (``max_concurrency`` > 1), so that a ``get`` waiting for data
 never blocks the writers; the buffer is thread-safe for that reason. The controller asks for the
@@ -55,6 +56,7 @@ class ReplayBuffer:
         self.wait_at = wait_at
         self._writer_wait_s = 0.0
         self._resident_max = 0
+        self._readers = 0  # gets waiting for steps
         self._segments: deque[Segment] = deque()
         self._resident_steps = 0
         self._closed = False
@@ -86,16 +88,16 @@ class ReplayBuffer:
 
     def put_many(self, segments: list[Segment]) -> bool:
         """``put`` each of ``segments``, in order (one call for a worker's round); returns whether
-        the buffer now holds ``wait_at`` env steps or more (the writer should ``wait_for_room``)."""
+        the writer should ``wait_for_room`` (``wait_at`` env steps or more held, no get waiting)."""
         for segment in segments:
             self.put(segment)
         with self._cond:
             return self._full()
 
     def wait_for_room(self, timeout_s: float | None = None) -> bool:
-        """Block while the buffer holds ``wait_at`` env steps or more, until it is closed, or
-        ``timeout_s`` seconds (None: no limit); returns whether there is room now. Returns at
-        once without ``wait_at``."""
+        """Block while the buffer holds ``wait_at`` env steps or more and no ``get`` waits for
+        steps, until it is closed, or ``timeout_s`` seconds (None: no limit); returns whether
+        there is room now. Returns at once without ``wait_at``."""
         start = time.monotonic()
         with self._cond:
             try:
@@ -104,7 +106,9 @@ class ReplayBuffer:
                 self._writer_wait_s += time.monotonic() - start
 
     def _full(self) -> bool:
-        return self.wait_at is not None and self._resident_steps >= self.wait_at
+        if self.wait_at is None or self._readers:
+            return False
+        return self._resident_steps >= self.wait_at
 
     def get(
         self, min_steps: int, trainer_version: int, timeout_s: float | None = None
@@ -122,12 +126,15 @@ class ReplayBuffer:
             )
         start = time.monotonic()
         with self._cond:
+            self._readers += 1
+            self._cond.notify_all()  # writers waiting for room: a reader wants more
             try:
                 enough = self._cond.wait_for(
                     lambda: self._closed or self._drop_stale(trainer_version) >= min_steps,
                     timeout_s,
                 )
             finally:
+                self._readers -= 1
                 self._wait_s += time.monotonic() - start
             if self._closed:
                 raise ReplayBufferClosed("replay buffer closed")
