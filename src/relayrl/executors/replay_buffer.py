@@ -161,10 +161,9 @@ class ReplayBuffer:
 
     def stats(self) -> dict:
         """Env steps and segments put, taken, dropped (stale, overflow) and resident (now and at
-        most); occupancy
-        (resident steps / capacity), seconds readers spent waiting and writers waiting for room
-        (summed over writers), and each worker's books
-        (env steps, steps dropped by env errors) as of its last put."""
+        most); occupancy (resident steps / capacity); seconds readers spent waiting and writers
+        spent waiting for room (summed over writers); and each worker's books (env steps, steps
+        dropped by env errors) as of its last put."""
         with self._cond:
             return {
                 **self._counts,
