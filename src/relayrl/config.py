@@ -426,6 +426,14 @@ class TrainerConfig(_Section):
         "the behaviour values the workers recorded (the bootstrap value still from the current "
         "critic).",
     )
+    timeout_terminal: bool = Field(
+        False,
+        description="embodied: GAE treats an episode cut at the env's step limit (truncated) as "
+        "ended, with no bootstrap from its last observation's value. Right when the policy sees "
+        "the episode step (the VLA's step embedding) and the limit is part of the task, as in "
+        "BabyAI, where running out of steps is a failure; false bootstraps, as for a limit the "
+        "task itself does not have.",
+    )
     minibatch_order: Literal["shuffled", "sequential"] = Field(
         "shuffled",
         description="embodied: minibatches of env steps drawn in a fresh random order each "
@@ -982,6 +990,7 @@ NOT_FOR: dict[str, tuple[str, ...]] = {
         "trainer.epochs",
         "trainer.minibatch_steps",
         "trainer.value_recompute",
+        "trainer.timeout_terminal",
         "trainer.minibatch_order",
         "trainer.adv_norm",
     ),

@@ -112,6 +112,25 @@ def test_values_come_from_the_current_critic_not_the_recorded_ones():
     torch.testing.assert_close(after, before - 0.5)
 
 
+def test_timeout_terminal_ends_a_truncated_episode_without_its_bootstrap():
+    # One step cut at the step limit: A = r + gamma * V(last) - V(first) when bootstrapped,
+    # r - V(first) when the timeout is terminal; the difference is gamma * V(last).
+    cut = segment(1, seed=1)
+    cut.episode_done = True  # truncated: the episode ended, not terminated
+    boot = make_trainer("trainer.gamma=0.9")
+    ends = make_trainer("trainer.gamma=0.9", "trainer.timeout_terminal=true")
+    with torch.no_grad():
+        ids = boot.policy.tokenize([cut.instruction] * 2)
+        _, values = boot.policy(torch.from_numpy(cut.images), ids, torch.from_numpy(cut.steps))
+    a = boot.advantages([cut])["advantages"]
+    b = ends.advantages([cut])["advantages"]  # same seed: the same policy
+    torch.testing.assert_close(a, cut.rewards[0] + 0.9 * values[1] - values[0][None])
+    torch.testing.assert_close(b, cut.rewards[0] - values[0][None])
+    # A segment that stops mid-episode still bootstraps with the option on.
+    open_ = segment(1, seed=1)
+    torch.testing.assert_close(ends.advantages([open_])["advantages"], a)
+
+
 def test_a_step_changes_parameters_bumps_the_version_and_reports_losses():
     trainer = make_trainer("trainer.minibatch_steps=4", "trainer.epochs=2")
     before = {k: v.clone() for k, v in trainer.policy.state_dict().items()}

@@ -9,7 +9,8 @@ lockstep loop in sync mode) and
    pads the segments, recomputes the value of every observation with the current critic (the
    behaviour values the workers recorded are stale; ``trainer.value_recompute=off`` uses them
    anyway) and computes GAE, bootstrapping from the value of a segment's last observation unless
-   the segment ended with ``terminated``;
+   the segment ended with ``terminated`` (or, with ``trainer.timeout_terminal``, at the env's
+   step limit);
 3. normalises the advantages over the whole super-batch (``global_normalize``), as AcceRL does,
    or with the running statistics of the earlier steps (``trainer.adv_norm=lagged_welford``);
 4. takes ``trainer.epochs`` passes of minibatches of env steps (in random order, or in order with
@@ -81,8 +82,10 @@ class PaddedSegments:
         return torch.cat([torch.ones_like(self.mask[:, :1]), self.mask], dim=1)
 
 
-def pad_segments(segments: list[Segment]) -> PaddedSegments:
-    """Stack segments into right-padded tensors (see ``PaddedSegments``)."""
+def pad_segments(segments: list[Segment], timeout_terminal: bool = False) -> PaddedSegments:
+    """Stack segments into right-padded tensors (see ``PaddedSegments``); with
+    ``timeout_terminal`` a segment whose episode was cut at the step limit counts as terminated
+    (``trainer.timeout_terminal``)."""
     if not segments:
         raise ValueError("segments must hold at least one Segment, got an empty list")
     batch, width = len(segments), max(len(s) for s in segments)
@@ -101,7 +104,9 @@ def pad_segments(segments: list[Segment]) -> PaddedSegments:
         versions[i, :n], mask[i, :n] = s.versions, True
     return PaddedSegments(
         *(torch.from_numpy(a) for a in (images, steps, actions, logprobs, rewards, versions, mask)),
-        terminated=torch.tensor([s.terminated for s in segments]),
+        terminated=torch.tensor(
+            [s.terminated or (timeout_terminal and s.episode_done) for s in segments]
+        ),
         instructions=[s.instruction for s in segments],
     )
 
@@ -191,7 +196,7 @@ class VLATrainer(TrainerCore):
 
     def _samples(self, group: list[Segment]) -> dict[str, Any]:
         """The per-step training samples of one micro-batch (see ``advantages``)."""
-        batch = pad_segments(group)
+        batch = pad_segments(group, self.tc.timeout_terminal)
         if self.tc.value_recompute == "off":
             values = behaviour_values(self.policy, batch, group)
         else:
@@ -402,7 +407,7 @@ class VLATrainer(TrainerCore):
         action log-probs [N, D], entropies [N, D] and values [N], from ONE forward over every
         observation (the bootstrap ones too), and GAE's raw ``advantages`` and ``returns`` [N]
         from those same values, detached (``value_recompute=fused``); also ``logprobs`` (mu)."""
-        batch = pad_segments(group)
+        batch = pad_segments(group, self.tc.timeout_terminal)
         observed = batch.observed
         rows = observed.nonzero()[:, 0]
         ids = self.policy.tokenize([batch.instructions[i] for i in rows.tolist()])
