@@ -17,6 +17,7 @@ env steps, with the command line and machine).
 from __future__ import annotations
 
 import argparse
+import copy
 import shlex
 import sys
 import time
@@ -35,9 +36,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import git_state, machine, relative, save_result  # noqa: E402
 
 from relayrl.algorithms.losses import LOSSES  # noqa: E402
+from relayrl.config import load_config  # noqa: E402
 from relayrl.envs.babyai import BabyAIEnv  # noqa: E402
+from relayrl.executors.vla_trainer import VLATrainer  # noqa: E402
 from relayrl.executors.worker_side import BLIND_INSTRUCTION  # noqa: E402
+from relayrl.launch import vla_config  # noqa: E402
 from relayrl.models.vla import VLAConfig, VLAPolicy  # noqa: E402
+from relayrl.types import Segment  # noqa: E402
 
 NAME = "babyai_reference"
 WINDOW = 200  # episodes per stage that the success rate and promotion look at
@@ -48,8 +53,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
-    model = VLAPolicy(VLAConfig(patch_tokens=not args.summary_only))
-    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr, eps=1e-5)
+    trainer = relayrl_trainer(args) if args.trainer == "relayrl" else None
+    model = trainer.policy if trainer else VLAPolicy(VLAConfig(patch_tokens=not args.summary_only))
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr, eps=1e-5)  # --trainer reference
+    # --lag K: the policy that acts holds the weights of K updates ago, as a worker behind the
+    # trainer would; its log-probs are the behaviour ones the loss corrects for.
+    actor = copy.deepcopy(model) if args.lag else model
+    history = deque([copy.deepcopy(model.state_dict())], maxlen=args.lag + 1)
     loss_fn = LOSSES[args.loss]
     stages = args.stages
     envs = [BabyAIEnv(stages, seed=args.seed * 1000 + 10 * i) for i in range(args.envs)]
@@ -68,14 +78,16 @@ def main(argv: list[str] | None = None) -> int:
         values = torch.zeros(t_len + 1, n)
         rewards = torch.zeros(t_len, n)
         dones = torch.zeros(t_len, n)
+        texts, successes = [], torch.zeros(t_len, n, dtype=torch.bool)
         for t in range(t_len + 1):
             images[t] = torch.from_numpy(np.stack([o.image for o in obs]))
             text = [BLIND_INSTRUCTION if args.blind else o.instruction for o in obs]
+            texts.append(text)
             tokens = model.tokenize(text)
             ids[t, :, : tokens.shape[1]] = tokens
             steps[t] = torch.tensor([o.step for o in obs])
             with torch.no_grad():
-                action, logp, value = model.act(images[t], text, steps[t])
+                action, logp, value = actor.act(images[t], text, steps[t])
             values[t] = value
             if t == t_len:
                 break
@@ -85,23 +97,32 @@ def main(argv: list[str] | None = None) -> int:
                 rewards[t, i] = result.reward
                 if result.terminated or result.truncated:
                     dones[t, i] = 1.0
+                    successes[t, i] = bool(result.success)
                     outcomes[obs[i].task].append(float(result.success))
                     obs[i] = env.reset(task=stages[stage])
                 else:
                     obs[i] = result.obs
             frames += n
-        advantages = gae_terminal(rewards, values, dones, args.gamma, args.lam)
-        returns = advantages + values[:t_len]
-        flat = {
-            "images": images[:t_len].flatten(0, 1),
-            "ids": ids[:t_len].flatten(0, 1),
-            "steps": steps[:t_len].flatten(0, 1),
-            "actions": actions.flatten(0, 1),
-            "behaviour": behaviour.flatten(0, 1),
-            "advantages": advantages.flatten(),
-            "returns": returns.flatten(),
-        }
-        update(model, optimizer, loss_fn, flat, args)
+        if trainer is not None:
+            rollout = (images, steps, actions, behaviour, values, rewards, dones, successes)
+            acted = max(trainer.version - args.lag, 0)
+            trainer.train_step(to_segments(rollout, texts, stages[stage], acted))
+        else:
+            advantages = gae_terminal(rewards, values, dones, args.gamma, args.lam)
+            returns = advantages + values[:t_len]
+            flat = {
+                "images": images[:t_len].flatten(0, 1),
+                "ids": ids[:t_len].flatten(0, 1),
+                "steps": steps[:t_len].flatten(0, 1),
+                "actions": actions.flatten(0, 1),
+                "behaviour": behaviour.flatten(0, 1),
+                "advantages": advantages.flatten(),
+                "returns": returns.flatten(),
+            }
+            update(model, optimizer, loss_fn, flat, args)
+        if args.lag:
+            history.append(copy.deepcopy(model.state_dict()))
+            actor.load_state_dict(history[0])
         current = outcomes[stages[stage]]
         rates = {s: float(np.mean(d)) if d else None for s, d in outcomes.items()}
         curve.append({"env_steps": frames, "wall_s": time.time() - start, "stage": stage, **rates})
@@ -127,6 +148,54 @@ def main(argv: list[str] | None = None) -> int:
     }
     save_result(args.out, args.name, result, plot, table(result))
     return 0
+
+
+def relayrl_trainer(args: argparse.Namespace) -> VLATrainer:
+    """relayrl's own ``VLATrainer`` on ``configs/babyai.yaml``'s trainer settings and the same
+    policy sizes, every episode end terminal as the reference treats it (``--trainer relayrl``)."""
+    if not args.summary_only:
+        raise SystemExit("--trainer relayrl reads configs/babyai.yaml, which needs --summary-only")
+    config = Path(__file__).parents[1] / "configs" / "babyai.yaml"
+    overrides = [f"run.seed={args.seed}", "trainer.timeout_terminal=true", *args.trainer_set]
+    cfg = load_config(config, overrides)
+    return VLATrainer(cfg, vla_config(cfg, views=1, dims=1, vocab=3))
+
+
+def to_segments(
+    rollout: tuple[torch.Tensor, ...], texts: list[list[str]], task: str, version: int
+) -> list[Segment]:
+    """A [T, N] rollout as the trainer's ``Segment``s: each env's steps cut at every episode end
+    and at the rollout's end (bootstrapped there from the next observation)."""
+    images, steps, actions, behaviour, values, rewards, dones, successes = rollout
+    t_len, n = rewards.shape
+    segments = []
+    for i in range(n):
+        first = 0
+        for t in range(t_len):
+            done = bool(dones[t, i])
+            if not done and t < t_len - 1:
+                continue
+            span = slice(first, t + 1)
+            segments.append(
+                Segment(
+                    worker=i,
+                    episode=len(segments),
+                    task=task,
+                    instruction=texts[first][i],
+                    images=images[first : t + 2, i].numpy(),
+                    steps=steps[first : t + 2, i].numpy(),
+                    actions=actions[span, i].numpy(),
+                    logprobs=behaviour[span, i].numpy(),
+                    values=values[span, i].numpy(),
+                    rewards=rewards[span, i].numpy(),
+                    versions=np.full(t + 1 - first, version, dtype=np.int64),
+                    terminated=done,
+                    episode_done=done,
+                    success=bool(successes[t, i]),
+                )
+            )
+            first = t + 1
+    return segments
 
 
 def gae_terminal(
@@ -231,6 +300,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--summary-only", action="store_true", help="VLAConfig.patch_tokens=False")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--trainer",
+        choices=["reference", "relayrl"],
+        default="reference",
+        help="reference: this file's update; relayrl: the pipeline's VLATrainer.train_step on "
+        "the same rollouts (configs/babyai.yaml's trainer settings)",
+    )
+    parser.add_argument(
+        "--lag",
+        type=int,
+        default=0,
+        help="the acting policy is this many updates behind the trained one",
+    )
+    parser.add_argument(
+        "--trainer-set",
+        nargs="*",
+        default=[],
+        metavar="KEY=VALUE",
+        help="with --trainer relayrl: config overrides for its trainer",
+    )
     parser.add_argument("--name", default=NAME, help="result file name")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     return parser.parse_args(argv)

@@ -434,6 +434,20 @@ class TrainerConfig(_Section):
         "BabyAI, where running out of steps is a failure; false bootstraps, as for a limit the "
         "task itself does not have.",
     )
+    proximal: Literal["behaviour", "current"] = Field(
+        "behaviour",
+        description="embodied: the old policy of the loss's ratio (PPO's trust region). "
+        "behaviour: the policy that acted (mu); current: the trainer's policy when the step "
+        "began, its log-probs from the value pass, with the stale behaviour corrected apart by "
+        "a stop-gradient weight min(pi_old / mu, proximal_weight_cap) on each step's advantage "
+        "(the decoupled objective of Hilton et al. 2021). Needs value_recompute=pass.",
+    )
+    proximal_weight_cap: float = Field(
+        2.0,
+        gt=0,
+        description="embodied, trainer.proximal=current: the most the behaviour weight "
+        "pi_old / mu may be.",
+    )
     minibatch_order: Literal["shuffled", "sequential"] = Field(
         "shuffled",
         description="embodied: minibatches of env steps drawn in a fresh random order each "
@@ -991,6 +1005,8 @@ NOT_FOR: dict[str, tuple[str, ...]] = {
         "trainer.minibatch_steps",
         "trainer.value_recompute",
         "trainer.timeout_terminal",
+        "trainer.proximal",
+        "trainer.proximal_weight_cap",
         "trainer.minibatch_order",
         "trainer.adv_norm",
     ),
@@ -1130,6 +1146,11 @@ class Config(_Section):
                     + "; got "
                     + ", ".join(f"trainer.{k}={getattr(tc, k)}" for k in wrong)
                 )
+        if tc.proximal == "current" and tc.value_recompute != "pass":
+            raise ValueError(
+                f"trainer.proximal=current takes the old policy's log-probs from the value pass, "
+                f"so it needs trainer.value_recompute=pass; got {tc.value_recompute}"
+            )
         if tc.advantage == "gae" and tc.kl_coef > 0 and tc.kl_in == "reward":
             raise ValueError(
                 "trainer.advantage=gae with trainer.kl_in=reward is not supported: the critic "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ from test_trainer import assert_bit_identical, core_state
 
 from relayrl.algorithms.losses import gipo_loss
 from relayrl.config import ConfigError, load_config
-from relayrl.executors.vla_trainer import VLATrainer, micro_batches
+from relayrl.executors.vla_trainer import VLATrainer, critic_values, micro_batches, pad_segments
 from relayrl.models.vla import VLAConfig, VLAPolicy
 from relayrl.types import Segment
 from relayrl.weight_sync import TRANSPORTS
@@ -375,3 +376,67 @@ def test_a_forced_lag_needs_the_staleness_bound_and_held_copies():
         make_trainer("inference.min_lag=3")
     with pytest.raises(ConfigError, match=r"inference.min_lag=1 .*sync.in_place=false"):
         make_trainer("inference.min_lag=1", "sync.in_place=true", "sync.transport=dist")
+
+
+def with_old_policy_offset(trainer: VLATrainer, offset: float) -> list[Segment]:
+    """SEGMENTS whose behaviour log-probs are the trainer's current ones minus ``offset``: the
+    behaviour weight pi_old / mu is exp(offset) on every token."""
+    out = []
+    for seg in SEGMENTS:
+        _, old = critic_values(trainer.policy, pad_segments([seg]))
+        out.append(replace(seg, logprobs=(old[0, : len(seg)] - offset).numpy()))
+    return out
+
+
+def test_the_value_pass_gives_the_log_probs_of_the_actions_taken():
+    trainer = make_trainer()
+    batch = pad_segments(SEGMENTS)
+    _, old = critic_values(trainer.policy, batch)
+    for i, seg in enumerate(SEGMENTS):
+        ids = trainer.policy.tokenize([seg.instruction] * len(seg))
+        with torch.no_grad():
+            logp, _, _ = trainer.policy.evaluate_actions(
+                torch.from_numpy(seg.images[:-1]),
+                ids,
+                torch.from_numpy(seg.steps[:-1]),
+                torch.from_numpy(seg.actions),
+            )
+        torch.testing.assert_close(old[i, : len(seg)], logp)
+        assert (old[i, len(seg) :] == 0).all()  # padding
+
+
+def test_proximal_current_centres_the_trust_region_on_the_old_policy_and_weights_the_lag():
+    # mu = log pi_old - ln 1.5 on every token. One epoch, one minibatch: the forward runs before
+    # the only optimizer step, so pi = pi_old there. Against mu the ratio is 1.5 everywhere;
+    # against the old policy it is 1, and the behaviour weight pi_old / mu = 1.5 (capped at 1.2).
+    one = ("trainer.epochs=1", "trainer.minibatch_steps=1000", "trainer.loss=ppo_clip")
+    behaviour = make_trainer(*one)
+    result = behaviour.train_step(with_old_policy_offset(behaviour, np.log(1.5)))
+    assert result.metrics["loss/ratio_mean"] == pytest.approx(1.5, rel=1e-5)
+    assert "loss/behaviour_weight" not in result.metrics
+    current = make_trainer(*one, "trainer.proximal=current")
+    result = current.train_step(with_old_policy_offset(current, np.log(1.5)))
+    assert result.metrics["loss/ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert result.metrics["loss/clip_frac"] == 0.0
+    assert result.metrics["loss/behaviour_weight"] == pytest.approx(1.5, rel=1e-5)
+    capped = make_trainer(*one, "trainer.proximal=current", "trainer.proximal_weight_cap=1.2")
+    result = capped.train_step(with_old_policy_offset(capped, np.log(1.5)))
+    assert result.metrics["loss/behaviour_weight"] == pytest.approx(1.2, rel=1e-5)
+
+
+def test_proximal_current_without_lag_takes_the_same_steps_as_the_behaviour_policy():
+    # mu = pi_old: the weight is 1 and both old policies are the same.
+    two = ("trainer.epochs=2", "trainer.minibatch_steps=4")
+    behaviour, current = make_trainer(*two), make_trainer(*two, "trainer.proximal=current")
+    behaviour.train_step(with_old_policy_offset(behaviour, 0.0))
+    current.train_step(with_old_policy_offset(current, 0.0))
+    for key, value in behaviour.policy.state_dict().items():
+        torch.testing.assert_close(current.policy.state_dict()[key], value)
+
+
+def test_proximal_current_needs_the_value_pass():
+    for other in ("off", "fused"):
+        with pytest.raises(
+            ConfigError, match="trainer.proximal=current .* needs trainer.value_recompute=pass; got"
+        ):
+            make_trainer(*FUSED, "trainer.proximal=current", f"trainer.value_recompute={other}")

@@ -16,7 +16,12 @@ lockstep loop in sync mode) and
 4. takes ``trainer.epochs`` passes of minibatches of env steps (in random order, or in order with
    ``trainer.minibatch_order=sequential``) with
    ``loss = LOSSES[trainer.loss] over action tokens + value_coef * (V - G)^2 - entropy_coef * H``,
-   every action token of a step carrying the step's advantage;
+   every action token of a step carrying the step's advantage. The loss's old policy is the
+   behaviour policy mu, or with ``trainer.proximal=current`` the trainer's policy as the step
+   began (log-probs from the value pass of 2): the trust region is then the same whatever the
+   lag, and each token's advantage carries the stop-gradient behaviour weight
+   ``min(pi_old / mu, trainer.proximal_weight_cap)`` (the decoupled objective of Hilton et al.
+   2021, "Batch size-invariance for policy optimization");
 5. bumps the policy version once, if at least one minibatch stepped.
 
 ``trainer.value_recompute=fused`` (AcceRL) folds 2-4 into one sequential pass: each micro-batch's
@@ -112,15 +117,20 @@ def pad_segments(segments: list[Segment], timeout_terminal: bool = False) -> Pad
 
 
 @torch.no_grad()
-def critic_values(policy: VLAPolicy, batch: PaddedSegments) -> Tensor:
-    """Current-critic values float32 [B, T + 1] of every valid observation, 0 on padding."""
+def critic_values(policy: VLAPolicy, batch: PaddedSegments) -> tuple[Tensor, Tensor]:
+    """One no-grad pass of the current policy over every valid observation: the critic's values
+    float32 [B, T + 1] (0 on padding) and the log-probs float32 [B, T, D] of the actions taken
+    (0 on padding; the old policy's of ``trainer.proximal=current``)."""
     observed = batch.observed
     rows = observed.nonzero()[:, 0]
     ids = policy.tokenize([batch.instructions[i] for i in rows.tolist()])
-    _, values = policy(batch.images[observed], ids, batch.steps[observed])
+    logits, values = policy(batch.images[observed], ids, batch.steps[observed])
     out = torch.zeros(observed.shape, dtype=torch.float32)
     out[observed] = values.float()
-    return out
+    logp_all = torch.zeros((*observed.shape, *logits.shape[1:]), dtype=torch.float32)
+    logp_all[observed] = logits.float().log_softmax(-1)
+    taken = logp_all[:, :-1].gather(-1, batch.actions.unsqueeze(-1)).squeeze(-1)
+    return out, taken * batch.mask.unsqueeze(-1)
 
 
 @torch.no_grad()
@@ -198,9 +208,9 @@ class VLATrainer(TrainerCore):
         """The per-step training samples of one micro-batch (see ``advantages``)."""
         batch = pad_segments(group, self.tc.timeout_terminal)
         if self.tc.value_recompute == "off":
-            values = behaviour_values(self.policy, batch, group)
+            values, old = behaviour_values(self.policy, batch, group), batch.logprobs
         else:
-            values = critic_values(self.policy, batch)
+            values, old = critic_values(self.policy, batch)
         adv, ret = gae(
             batch.rewards,
             values,
@@ -217,6 +227,7 @@ class VLATrainer(TrainerCore):
             "instructions": [batch.instructions[i] for i in rows],
             "actions": batch.actions[mask],
             "logprobs": batch.logprobs[mask],
+            "old_logprobs": old[mask],
             "versions": batch.versions[mask],
             "values": values[:, :-1][mask],
             "advantages": adv[mask],
@@ -330,15 +341,21 @@ class VLATrainer(TrainerCore):
                 logp, entropy, values = self.policy.evaluate_actions(
                     data["images"][idx], ids, data["steps"][idx], data["actions"][idx]
                 )
+                mu, behaviour_weight = data["logprobs"][idx], None
+                if self.tc.proximal == "current":  # the trust region around the old policy
+                    old = data["old_logprobs"][idx]
+                    behaviour_weight = (old - mu).exp().clamp(max=self.tc.proximal_weight_cap)
+                    mu = old
                 step = self._minibatch_step(
                     logp,
                     entropy,
                     values,
-                    data["logprobs"][idx],
+                    mu,
                     advantages[idx],
                     data["returns"][idx],
                     weight,
                     filler,
+                    behaviour_weight,
                 )
                 if step is None:
                     continue
@@ -357,14 +374,21 @@ class VLATrainer(TrainerCore):
         returns: Tensor,
         weight: float,
         filler: bool,
+        behaviour_weight: Tensor | None = None,
     ) -> dict[str, float] | None:
         """One optimizer step on a minibatch of env steps (this rank's part, ``weight`` of the
-        whole; a ``filler`` contributes nothing); its ``loss/*`` metrics, or None if skipped."""
+        whole; a ``filler`` contributes nothing); its ``loss/*`` metrics, or None if skipped.
+        ``mu`` is the loss's old policy; ``behaviour_weight`` [N, D] (``trainer.proximal=current``)
+        scales each token's advantage, a constant like the advantage itself."""
         token_adv = advantages[:, None].expand_as(logp)
+        if behaviour_weight is not None:
+            token_adv = token_adv * behaviour_weight
         mask = torch.ones_like(logp, dtype=torch.bool)
         # A filler's dummy row adds nothing to a batch statistic (it is weighted 0 below).
         options = self.loss_options(logp, mu, mask & (not filler))
         policy_loss, stats = self.loss_fn(logp, mu, token_adv, mask, **options)
+        if behaviour_weight is not None:
+            stats = stats | {"behaviour_weight": float(behaviour_weight.mean())}
         value_loss = (values - returns).square().mean()
         entropy = entropy.mean()
         loss = policy_loss + self.tc.value_coef * value_loss
