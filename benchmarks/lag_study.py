@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import subprocess
 import sys
 import tempfile
@@ -34,7 +33,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import git_state, machine, relative, save_result  # noqa: E402
+from common import provenance, relative, save_result  # noqa: E402
 
 NAME = "lag_study"
 HERE = Path(__file__).parent
@@ -73,10 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         }
     result = {
         "benchmark": NAME,
-        "command": shlex.join(["python", *(relative(arg) for arg in sys.argv)]),
-        "date": time.strftime("%Y-%m-%d"),
-        "machine": machine(),
-        "git": git_state(),
+        **provenance(),
         "args": vars(args) | {"out": relative(str(args.out))},
         "wall_s": time.time() - start,
         "env_steps": grid.tolist(),
