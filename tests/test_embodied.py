@@ -207,13 +207,21 @@ def test_curriculum_opens_stages_in_order_and_evaluation_plays_only_eval_tasks(
         f"env.eval_tasks=[{hard}]",
         "rollout.curriculum=true",
         "rollout.curriculum_max_steps=2",
+        "steps=5",
     )
     summary = train(cfg, tmp_path / "run")
     check_books(summary)
     assert summary["curriculum"]["enabled"] and summary["curriculum"]["stage"] == hard
     assert summary["curriculum"]["opened_at_step"] == {easy: 0, hard: 2}
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
-    assert [m["curriculum/stage"] for m in metrics if "curriculum/stage" in m] == [0, 1, 1]
+    staged = [m for m in metrics if "curriculum/stage" in m]
+    assert [m["curriculum/stage"] for m in staged] == [0, 1, 1, 1, 1]
+    # The stage's window empties when the next opens (step 2) and refills from its episodes.
+    assert staged[1]["curriculum/stage_episodes"] == 0
+    assert "curriculum/stage_success" not in staged[1]
+    filled = [m["curriculum/stage_episodes"] for m in staged[1:]]
+    assert filled == sorted(filled) and filled[-1] > 0
+    assert staged[-1]["curriculum/stage_success"] == summary["curriculum"]["stage_success_rate"]
     assert set(summary["eval"]["start"]["per_task"]) == {hard}
     assert set(summary["eval"]["end"]["per_task"]) == {hard}
 

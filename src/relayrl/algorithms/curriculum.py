@@ -64,6 +64,11 @@ class Curriculum:
         if task == self.current:
             self._outcomes.append(success)
 
+    @property
+    def outcomes(self) -> tuple[bool, ...]:
+        """The newest open stage's recent outcomes, oldest first (at most ``window``)."""
+        return tuple(self._outcomes)
+
     def success_rate(self) -> float | None:
         """The newest open stage's success over its recent window (None before any episode)."""
         if not self._outcomes:

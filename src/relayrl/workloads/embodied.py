@@ -603,7 +603,8 @@ class EmbodiedWorkload:
 
     async def episode_feedback(self, step: int) -> dict[str, float]:
         """Drain the workers' finished episodes into DWR and the curriculum, push the new task
-        weights to the workers' samplers, and return the rollout success rate of those episodes."""
+        weights to the workers' samplers, and return the rollout success rate of those episodes and
+        the newest stage's success over its window (the curriculum's promotion measure)."""
         choice = self.choice
         drained = await asyncio.gather(
             *(w.episode_results.remote() for w in self.workers), return_exceptions=True
@@ -622,8 +623,11 @@ class EmbodiedWorkload:
         out = {"rollout/episodes": float(len(results))}
         if results:
             out["rollout/success_rate"] = sum(r.success for r in results) / len(results)
-        if choice.curriculum is not None:
-            out["curriculum/stage"] = float(choice.curriculum.stage)
+        if (c := choice.curriculum) is not None:
+            out["curriculum/stage"] = float(c.stage)
+            out["curriculum/stage_episodes"] = float(len(c.outcomes))
+            if c.outcomes:
+                out["curriculum/stage_success"] = c.success_rate()
         return out
 
     def finish(self, tally: RunTally, loop: dict, rl_wall: float) -> dict:
