@@ -2,8 +2,9 @@
 against the Unix-socket path (``socket``), beside the single-process reference, on one machine.
 
 Arms take turns (reference, ray, socket, then again for each repeat) so that load from other
-processes falls on each alike; ``--batched W E`` adds an arm ``socket_WxE``: the socket path
-with W workers of E envs each (``rollout.envs_per_worker``). Each pipeline arm trains
+processes falls on each alike; ``--transports`` picks the transport arms (both by default), and
+each ``--batched W E`` adds an arm ``socket_WxE``: the socket path with W workers of E envs each
+(``rollout.envs_per_worker``). Each pipeline arm trains
 ``configs/babyai.yaml`` for ``--steps`` trainer steps (too few to learn; the rate is the point)
 and reports
 
@@ -114,11 +115,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--ray-niceness", type=int, default=0, help="nice of Ray's workers (Ray's default: 15)"
     )
     parser.add_argument(
+        "--transports",
+        nargs="*",
+        choices=TRANSPORTS,
+        default=list(TRANSPORTS),
+        help="an arm per transport, the config's layout otherwise (default: ray socket)",
+    )
+    parser.add_argument(
         "--batched",
         type=int,
         nargs=2,
+        action="append",
         metavar=("W", "E"),
-        help="add an arm: the socket path with W workers of E envs each",
+        help="add an arm (repeatable): the socket path with W workers of E envs each",
     )
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     parser.add_argument("overrides", nargs="*", help="a.b=value items for the pipeline arms")
@@ -127,9 +136,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def arms(args: argparse.Namespace) -> dict[str, list[str]]:
     """The pipeline arms: name -> the overrides that make it."""
-    out = {t: [f"inference.transport={t}"] for t in TRANSPORTS}
-    if args.batched:
-        workers, envs = args.batched
+    out = {t: [f"inference.transport={t}"] for t in args.transports}
+    for workers, envs in args.batched or []:
         out[f"socket_{workers}x{envs}"] = [
             "inference.transport=socket",
             f"rollout.workers={workers}",

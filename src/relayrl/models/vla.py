@@ -35,6 +35,7 @@ Architecture, in the order data flows:
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -352,12 +353,16 @@ def tokenize_instructions(instructions: list[str], *, hash_buckets: int, max_tok
     ``max_tokens``; longer ones are truncated): the ids every instruction-reading model shares."""
     if isinstance(instructions, str):
         raise TypeError("instructions must be a list of strings, got a single str")
-    rows = [[_word_id(w, hash_buckets) for w in _words(s)][:max_tokens] for s in instructions]
-    width = max((len(row) for row in rows), default=0)
-    ids = torch.full((len(rows), max(width, 1)), PAD_ID, dtype=torch.int64)
-    for i, row in enumerate(rows):
-        ids[i, : len(row)] = torch.tensor(row, dtype=torch.int64)
-    return ids
+    rows = [_instruction_ids(s, hash_buckets, max_tokens) for s in instructions]
+    width = max(max((len(row) for row in rows), default=0), 1)
+    return torch.tensor([row + (PAD_ID,) * (width - len(row)) for row in rows], dtype=torch.int64)
+
+
+@functools.lru_cache(maxsize=4096)
+def _instruction_ids(text: str, hash_buckets: int, max_tokens: int) -> tuple[int, ...]:
+    """One instruction's word ids, truncated to ``max_tokens`` (cached: a task suite repeats a
+    few instructions, which a batch of 1,024 steps would otherwise tokenize one by one)."""
+    return tuple(_word_id(w, hash_buckets) for w in _words(text))[:max_tokens]
 
 
 def instruction_vocab(hash_buckets: int) -> int:
