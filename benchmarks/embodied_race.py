@@ -2,8 +2,8 @@
 
 The reference (``benchmarks/babyai_reference.py --summary-only``: the same policy and curriculum,
 one process, one thread, PPO-clip, nothing stale; its stages open on success only, where the
-config's also open after ``rollout.curriculum_max_steps``) runs first and stops once its rollout success
-on the last stage, over its last 200 episodes, reaches ``--target``. Then ``relayrl train
+config's also open after ``rollout.curriculum_max_steps``) runs first and stops once its rollout
+success on the last stage, over its last 200 episodes, reaches ``--target``. Then ``relayrl train
 configs/babyai.yaml`` with ``overrides`` runs for ``--steps`` trainer steps. Both are judged by
 the same measure: the pipeline's time to target is the wall clock from the start of the job
 (start-up and the evaluation before RL included) to the end of the first trainer step after which
