@@ -44,6 +44,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from babyai_reference import WINDOW  # noqa: E402  (episodes both runs judge success over)
 from common import provenance, relative, save_result  # noqa: E402
 
 from relayrl.config import load_config  # noqa: E402
@@ -52,7 +53,6 @@ from relayrl.job import train  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 NAME = "embodied_race"
 WORKER_NICENESS = "RAY_worker_niceness"  # Ray's own spelling
-WINDOW = 200  # episodes of the last stage both runs judge success over
 STAGES = ["BabyAI-GoToLocalS5N2-v0", "BabyAI-GoToLocalS6N3-v0", "BabyAI-GoToLocalS7N4-v0"]
 
 
