@@ -31,6 +31,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+import yaml  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import git_state, machine, relative, save_result  # noqa: E402
@@ -54,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
     trainer = relayrl_trainer(args) if args.trainer == "relayrl" else None
-    model = trainer.policy if trainer else VLAPolicy(VLAConfig(patch_tokens=not args.summary_only))
+    model = trainer.policy if trainer else VLAPolicy(reference_vla_config(args))
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr, eps=1e-5)  # --trainer reference
     # --lag K: the policy that acts holds the weights of K updates ago, as a worker behind the
     # trainer would; its log-probs are the behaviour ones the loss corrects for.
@@ -62,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     history = deque([copy.deepcopy(model.state_dict())], maxlen=args.lag + 1)
     loss_fn = LOSSES[args.loss]
     stages = args.stages
-    envs = [BabyAIEnv(stages, seed=args.seed * 1000 + 10 * i) for i in range(args.envs)]
+    look = {"image_size": args.image_size, "view": args.view}
+    envs = [BabyAIEnv(stages, **look, seed=args.seed * 1000 + 10 * i) for i in range(args.envs)]
     stage = 0
     obs = [env.reset(task=stages[stage]) for env in envs]
     outcomes = {s: deque(maxlen=WINDOW) for s in stages}
@@ -70,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     n, t_len, width = args.envs, args.rollout, model.cfg.instruction_tokens
     frames, start = 0, time.time()
     while time.time() - start < args.minutes * 60 and frames < args.max_steps:
-        images = torch.zeros(t_len + 1, n, 1, 56, 56, 3, dtype=torch.uint8)
+        shape = (model.cfg.views, args.image_size, args.image_size, 3)
+        images = torch.zeros(t_len + 1, n, *shape, dtype=torch.uint8)
         ids = torch.zeros(t_len + 1, n, width, dtype=torch.int64)
         steps = torch.zeros(t_len + 1, n, dtype=torch.int64)
         actions = torch.zeros(t_len, n, 1, dtype=torch.int64)
@@ -150,6 +153,18 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def reference_vla_config(args: argparse.Namespace) -> VLAConfig:
+    """The reference's policy sizes: ``VLAConfig`` defaults, the image, and ``--vla`` items."""
+    fields = {"image_size": args.image_size, "views": 2 if args.view == "both" else 1}
+    fields["patch_tokens"] = not args.summary_only
+    for item in args.vla:
+        key, _, value = item.partition("=")
+        if key not in VLAConfig.__dataclass_fields__ or not value:
+            raise SystemExit(f"--vla {item!r}: expected FIELD=VALUE with a VLAConfig field")
+        fields[key] = yaml.safe_load(value)
+    return VLAConfig(**fields)
+
+
 def relayrl_trainer(args: argparse.Namespace) -> VLATrainer:
     """relayrl's own ``VLATrainer`` on ``configs/babyai.yaml``'s trainer settings and the same
     policy sizes, every episode end terminal as the reference treats it (``--trainer relayrl``)."""
@@ -157,8 +172,9 @@ def relayrl_trainer(args: argparse.Namespace) -> VLATrainer:
         raise SystemExit("--trainer relayrl reads configs/babyai.yaml, which needs --summary-only")
     config = Path(__file__).parents[1] / "configs" / "babyai.yaml"
     overrides = [f"run.seed={args.seed}", "trainer.timeout_terminal=true", *args.trainer_set]
+    overrides += [f"env.image_size={args.image_size}", *(f"vla.{item}" for item in args.vla)]
     cfg = load_config(config, overrides)
-    return VLATrainer(cfg, vla_config(cfg, views=1, dims=1, vocab=3))
+    return VLATrainer(cfg, vla_config(cfg, views=2 if args.view == "both" else 1, dims=1, vocab=3))
 
 
 def to_segments(
@@ -298,6 +314,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="stop once the last stage's success over its last 200 episodes reaches this",
     )
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--view", default="egocentric", choices=["egocentric", "full", "both"])
+    parser.add_argument("--image-size", type=int, default=56, help="pixels per side of a view")
+    parser.add_argument(
+        "--vla",
+        nargs="*",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="VLAConfig fields of the reference's policy, e.g. patch_size=4 conv_layers=4",
+    )
     parser.add_argument("--summary-only", action="store_true", help="VLAConfig.patch_tokens=False")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
