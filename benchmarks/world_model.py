@@ -317,10 +317,11 @@ def run_arm(args: argparse.Namespace, arm: str, policy: str, world_model: str) -
         extra += [f"world_model.path={world_model}", *args.wm_set]
     run_dir = folder / "run"
     summary_path = run_dir / "summary.json"
-    if summary_path.is_file() and json.loads(summary_path.read_text())["status"] in ENDED:
+    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else None
+    if summary is not None and summary["status"] in ENDED and summary["steps"] > 0:
         # An arm stopped with Ctrl-C or SIGTERM, or one whose done.json was deleted to report it
-        # again: report it from its run directory (a rerun keeps it).
-        summary = json.loads(summary_path.read_text())
+        # again: report it from its run directory (a rerun keeps it). One stopped before its
+        # first step has nothing to report and runs again.
         _say(f"{arm}: kept, {summary['status']} after step {summary['steps']}")
         wall = summary.get("wall_clock_s")
         return _finish(folder, _arm_record(args, run_dir, summary, wall))
