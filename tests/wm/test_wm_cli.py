@@ -256,3 +256,42 @@ def test_collect_plays_a_saved_vla_policy_off_the_target_and_refuses_it_on_it(tm
     capsys.readouterr()
     assert wm("collect", "--out", f"{tmp_path}/on", *policy, "--level", TARGET) == 2
     assert "allowed there: --policy random" in capsys.readouterr().err
+
+
+def test_noisy_bot_advice_is_the_bots_action_whatever_the_noise_took() -> None:
+    """``advice`` is the bot's own action: without noise every action taken is the advice and the
+    episodes succeed; with noise 1 the actions are random, the advice is still given each step and
+    differs from what was taken at some step."""
+    from relayrl.envs.babyai import BabyAIEnv
+    from relayrl.wm.policies import NoisyScriptedPolicy
+
+    env = BabyAIEnv("BabyAI-GoToLocalS5N2-v0", image_size=28, seed=3)
+    clean = NoisyScriptedPolicy(env.action_space, 0.0, seed=0)
+    wins = 0
+    for _ in range(5):
+        obs = env.reset()
+        clean.reset(env)
+        while True:
+            action = int(clean.act(obs)[0])
+            assert action == clean.advice
+            result = env.step(action)
+            if result.terminated or result.truncated:
+                wins += bool(result.success)
+                break
+            obs = result.obs
+    assert wins == 5
+
+    noisy = NoisyScriptedPolicy(env.action_space, 1.0, seed=0)
+    obs = env.reset()
+    noisy.reset(env)
+    differed = 0
+    for _ in range(6):
+        action = int(noisy.act(obs)[0])
+        assert noisy.advice in (0, 1, 2)
+        differed += action != noisy.advice
+        result = env.step(action)
+        if result.terminated or result.truncated:
+            break
+        obs = result.obs
+    assert differed >= 1
+    env.close()

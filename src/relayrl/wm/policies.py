@@ -65,6 +65,9 @@ class NoisyScriptedPolicy:
         self.rng = np.random.default_rng(seed)
         self._bot: Any = None
         self._taken: int | None = None
+        self.advice: int | None = None
+        """The bot's own action at the last ``act`` (before the noise), or None where it asked
+        for one outside the env's space: the label for behaviour cloning."""
 
     def reset(self, env: EmbodiedEnv) -> None:
         """Start the bot on the new episode."""
@@ -79,7 +82,8 @@ class NoisyScriptedPolicy:
     def act(self, obs: Observation) -> np.ndarray:
         """The bot's action, or with probability ``noise`` a random one."""
         suggested = int(self._bot.replan(self._taken))
-        if self.rng.random() < self.noise or not 0 <= suggested < self.space.vocab:
+        self.advice = suggested if 0 <= suggested < self.space.vocab else None
+        if self.rng.random() < self.noise or self.advice is None:
             suggested = int(self.rng.integers(self.space.vocab))
         self._taken = suggested
         return np.asarray([suggested], dtype=np.int64)
