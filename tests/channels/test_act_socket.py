@@ -247,6 +247,8 @@ def test_as_ray_actors_workers_stream_over_the_socket_and_a_dead_service_is_a_de
     client = SocketServiceClient(service)
     client(obs(1, 1), 0, 0)
     ray.kill(service)
+    with pytest.raises(DEATHS):  # ray.kill returns before the process is gone: wait for it
+        ray.get(service.stats.remote(), timeout=30)
     with pytest.raises(DEATHS):
         client(obs(1, 2), 0, 1)
     for handle in (buffer, workers[0]):
