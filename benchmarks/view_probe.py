@@ -21,10 +21,8 @@ and prints a Markdown table.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import matplotlib
@@ -35,13 +33,12 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import yaml  # noqa: E402
-from safetensors.torch import save_file  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import provenance, save_result  # noqa: E402
 
 from relayrl.envs.babyai import BabyAIEnv  # noqa: E402
-from relayrl.models.vla import VLAConfig, VLAPolicy  # noqa: E402
+from relayrl.models.vla import VLAConfig, VLAPolicy, save_vla_checkpoint  # noqa: E402
 from relayrl.wm.policies import NoisyScriptedPolicy  # noqa: E402
 
 NAME = "view_probe"
@@ -161,7 +158,7 @@ def clone(args: argparse.Namespace, variant: dict, data: tuple) -> dict:
         print(f"[{NAME}] {variant['name']} {curve[-1]}", flush=True)
     success = greedy_success(args, model, variant["view"])
     if args.save:
-        save_policy(model, args.save / variant["name"])
+        save_vla_checkpoint(args.save / variant["name"], model.state_dict(), model.cfg, 0)
     return {
         **variant,
         "params": sum(p.numel() for p in model.parameters()),
@@ -204,14 +201,6 @@ def greedy_success(args: argparse.Namespace, model: VLAPolicy, view: str) -> flo
     finally:
         env.close()
     return wins / args.eval_episodes
-
-
-def save_policy(model: VLAPolicy, folder: Path) -> None:
-    """``folder``/model.safetensors and vla_config.json, as a run's checkpoint holds them."""
-    folder.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-    save_file(state, str(folder / "model.safetensors"), metadata={"version": "0"})
-    (folder / "vla_config.json").write_text(json.dumps(asdict(model.cfg), indent=2) + "\n")
 
 
 def plot(result: dict, path: Path) -> Path:

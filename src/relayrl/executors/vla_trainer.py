@@ -47,15 +47,13 @@ step with zero weight.
 
 from __future__ import annotations
 
-import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import save_file
 from torch import Tensor
 
 from relayrl import faults, parallel
@@ -63,7 +61,7 @@ from relayrl.algorithms.advantages import gae
 from relayrl.algorithms.normalization import Welford, global_normalize
 from relayrl.config import Config
 from relayrl.executors.trainer_core import TrainerCore
-from relayrl.models.vla import VLAConfig, VLAPolicy, load_vla_weights
+from relayrl.models.vla import VLAConfig, VLAPolicy, load_vla_weights, save_vla_checkpoint
 from relayrl.types import Segment, StepResult
 
 
@@ -504,11 +502,7 @@ class VLATrainer(TrainerCore):
         out = Path(path)
         state = self._full_model_state()
         if self.rank == 0:
-            out.mkdir(parents=True, exist_ok=True)
-            state = {k: v.detach().contiguous() for k, v in state.items()}
-            metadata = {"version": str(self.version)}
-            save_file(state, str(out / "model.safetensors"), metadata=metadata)
-            (out / "vla_config.json").write_text(json.dumps(asdict(self.vla), indent=2) + "\n")
+            save_vla_checkpoint(out, state, self.vla, self.version)
         return str(out)
 
     def state_dict(self) -> dict:

@@ -44,7 +44,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from relayrl.models.value_heads import AcceValueHead, ActionAwareValueHead
@@ -308,6 +308,19 @@ class VLAPolicy(nn.Module):
             )
         if tuple(steps.shape) != (batch,):
             raise ValueError(f"steps must have shape [B={batch}], got {list(steps.shape)}")
+
+
+def save_vla_checkpoint(
+    path: str | Path, state: dict[str, Tensor], cfg: VLAConfig, version: int
+) -> Path:
+    """Write ``model.safetensors`` (``state``, tagged with ``version``) and ``vla_config.json``
+    into the folder ``path``: what ``saved_vla_config`` and ``load_vla_weights`` read back."""
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous() for k, v in state.items()}
+    save_file(state, str(out / "model.safetensors"), metadata={"version": str(version)})
+    (out / "vla_config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
+    return out
 
 
 def saved_vla_config(path: str | Path) -> VLAConfig:
