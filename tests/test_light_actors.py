@@ -86,3 +86,15 @@ def test_every_function_run_inside_an_actor_loads_without_torch():
     assert elsewhere == [], f"run inside actors but not defined in worker_side: {elsewhere}"
     functions = [getattr(worker_side, name) for name in sorted(called)]
     _runs_without_torch(functions, "assert all(callable(f) for f in obj)")
+
+
+def test_the_driver_loads_no_model_code_of_transformers():
+    """``relayrl train``'s process places the actors but builds no model: importing the job must
+    not load ``transformers.modeling_utils`` (about 3 s of CPU per process on a 2-core machine),
+    which the generator and trainer actors load when they build their models."""
+    program = (
+        "import sys, relayrl.cli, relayrl.job\n"
+        "sys.exit(3 if 'transformers.modeling_utils' in sys.modules else 0)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True)
+    assert done.returncode == 0, done.stderr.decode()[-2000:] or "transformers.modeling_utils"

@@ -12,9 +12,12 @@ from __future__ import annotations
 import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+
+if TYPE_CHECKING:
+    from transformers import DynamicCache, PreTrainedModel
 
 
 @dataclass
@@ -56,6 +59,8 @@ def sample_chunk(
         input_ids[row, width - len(seq) :] = torch.tensor(seq, dtype=torch.long)
         attention[row, width - len(seq) :] = 1
     positions = (attention.cumsum(-1) - 1).clamp(min=0)
+    from transformers import DynamicCache
+
     cache = DynamicCache()
     stop = torch.tensor(list(stop_ids), dtype=torch.long)
     logits = _forward(model, input_ids, attention, positions, cache)
