@@ -17,6 +17,7 @@ from test_embodied import SMALL as EMBODIED
 from test_embodied import check_books
 
 from relayrl import job
+from relayrl.checkpoint import Checkpointer
 from relayrl.config import EnvConfig
 from relayrl.executors.worker_side import build_env
 from relayrl.observability.metrics import MetricsLog
@@ -106,6 +107,28 @@ def test_killed_generators_and_rewarders_are_replaced_and_the_books_balance(
     versions = [r["version"] for r in summary["generation"]["replicas"].values()]
     assert versions == [summary["eval"]["end"]["version"]] * 2
     assert summary["staleness"]["max"] <= cfg.max_staleness
+
+
+def test_an_interrupted_embodied_run_books_the_env_steps_its_workers_played(
+    ray_session, tmp_path, monkeypatch
+):
+    """Ctrl-C (or SIGTERM) stops a run after the step in progress: summary.json's books come from
+    the rollout workers, where an embodied run counts generation, and balance."""
+
+    class Stopping(MetricsLog):
+        def log(self, step: int, metrics: dict) -> None:
+            super().log(step, metrics)
+            if step == 2:
+                Checkpointer.request_stop()
+
+    monkeypatch.setattr(job, "MetricsLog", Stopping)
+    cfg = tiny_config(*EMBODIED, "mode=async", "steps=30")
+    with pytest.raises(KeyboardInterrupt):
+        job.train(cfg, tmp_path / "run")
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["steps"] == 2
+    samples = check_books(summary)
+    assert samples["trained"] > 0 and "counted_by" not in samples
 
 
 def test_a_dead_trainer_rank_fails_the_run_and_names_it(ray_session, tmp_path, monkeypatch):

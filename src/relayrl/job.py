@@ -28,7 +28,7 @@ from relayrl.observability.metrics import EssWatch, MetricsLog, RunTally, say
 from relayrl.observability.plots import plot_learning_curve
 from relayrl.observability.report import write_report
 from relayrl.observability.tracing import busy_seconds, collect_spans, save_trace
-from relayrl.recovery import ExecutorFailed, Recovery, dead_executor, is_death
+from relayrl.recovery import ExecutorFailed, Recovery, dead_executor, first_line, is_death
 from relayrl.workloads import WORKLOADS, Workload
 
 
@@ -116,6 +116,10 @@ def train(
             "samples": tally.books(),
             "failures": tally.failure_summary(),
         }
+        try:  # where generation is counted (embodied: the workers); the executors may be gone
+            partial["samples"] = workload.partial_books(tally)
+        except Exception as books_err:
+            partial["samples"]["counted_by"] = f"controller ({first_line(books_err)})"
         if isinstance(err, ExecutorFailed):
             partial["failed_executor"] = err.name
         elif is_death(err):

@@ -56,6 +56,9 @@ class Workload(Protocol):
     def finish(self, tally: RunTally, loop: dict, rl_wall: float) -> dict:
         """After RL: this workload's sections of summary.json."""
 
+    def partial_books(self, tally: RunTally) -> dict:
+        """The ``samples`` books of a run that stopped early (failed or interrupted)."""
+
 
 WORKLOADS: dict[str, type] = {"llm": LLMWorkload, "embodied": EmbodiedWorkload}
 

@@ -638,24 +638,8 @@ class EmbodiedWorkload:
         trainers = ray.get([r.stats.remote() for r in self.trainer])
         services = ray.get([s.stats.remote() for s in self.services])
         buffer = ray.get(self.replay_buffer.stats.remote())
-        trained = sum(t["trained"] for t in trainers)
-        retired = self.retired.values()
-        generated = sum(w["env_steps"] for w in workers) + sum(steps for steps, _ in retired)
-        dropped = {
-            "dropped_stale": sum(t["dropped_stale"] for t in trainers)
-            + buffer["dropped_stale_steps"],
-            "dropped_overflow": buffer["dropped_overflow_steps"],
-            "dropped_error": sum(w["dropped_error_steps"] for w in workers)
-            + sum(errors for _, errors in retired),
-            "dropped_resume": tally.dropped_resume,
-            "lost": tally.lost,
-        }
-        unfinished = [f["unfinished"] for f in tally.failures]  # rollout workers' (others: 0)
-        in_flight = {
-            "resident": buffer["resident_steps"],
-            "prefetched": loop["prefetched"],
-            "open": sum(w["open_steps"] for w in workers),
-        }
+        samples = self._sample_books(tally, workers, trainers, buffer, loop["prefetched"])
+        trained, generated = samples["trained"], samples["generated"]
         tasks: dict[str, dict[str, float]] = {}
         for w in workers:
             for task, counts in w["tasks"].items():
@@ -709,18 +693,54 @@ class EmbodiedWorkload:
             },
             "dwr": {"enabled": self.cfg.rollout.dwr, "weights": self.choice.dwr.weights()},
             "curriculum": self.choice.summary(),
-            "samples": {
-                "unit": "env_steps",
-                "generated": generated,
-                "trained": trained,
-                **dropped,
-                # Outside the books (never counted as generated); None if any death's is unknown.
-                "lost_unfinished": None if None in unfinished else sum(unfinished),
-                "in_flight": sum(in_flight.values()),
-                **{f"in_flight_{k}": v for k, v in in_flight.items()},
-                "accounted": generated == trained + sum(dropped.values()) + sum(in_flight.values()),
-            },
+            "samples": samples,
         }
+
+    def _sample_books(
+        self, tally: RunTally, workers: list[dict], trainers: list[dict], buffer: dict, prefetched
+    ) -> dict:
+        """The ``samples`` books in env steps, from the executors' stats and the ``prefetched``
+        steps (taken from the replay buffer, not yet received by a trainer rank)."""
+        trained = sum(t["trained"] for t in trainers)
+        retired = self.retired.values()
+        generated = sum(w["env_steps"] for w in workers) + sum(steps for steps, _ in retired)
+        dropped = {
+            "dropped_stale": sum(t["dropped_stale"] for t in trainers)
+            + buffer["dropped_stale_steps"],
+            "dropped_overflow": buffer["dropped_overflow_steps"],
+            "dropped_error": sum(w["dropped_error_steps"] for w in workers)
+            + sum(errors for _, errors in retired),
+            "dropped_resume": tally.dropped_resume,
+            "lost": tally.lost,
+        }
+        unfinished = [f["unfinished"] for f in tally.failures]  # rollout workers' (others: 0)
+        in_flight = {
+            "resident": buffer["resident_steps"],
+            "prefetched": prefetched,
+            "open": sum(w["open_steps"] for w in workers),
+        }
+        return {
+            "unit": "env_steps",
+            "generated": generated,
+            "trained": trained,
+            **dropped,
+            # Outside the books (never counted as generated); None if any death's is unknown.
+            "lost_unfinished": None if None in unfinished else sum(unfinished),
+            "in_flight": sum(in_flight.values()),
+            **{f"in_flight_{k}": v for k, v in in_flight.items()},
+            "accounted": generated == trained + sum(dropped.values()) + sum(in_flight.values()),
+        }
+
+    def partial_books(self, tally: RunTally) -> dict:
+        """The ``samples`` books of a run that stopped early, asked of the executors (the env
+        steps are counted where they are played); raises if an executor does not answer."""
+        timeout = self.cfg.sync.timeout_s
+        workers = ray.get([w.stats.remote() for w in self.workers], timeout=timeout)
+        trainers = ray.get([r.stats.remote() for r in self.trainer], timeout=timeout)
+        buffer = ray.get(self.replay_buffer.stats.remote(), timeout=timeout)
+        received = sum(t["trained"] + t["dropped_stale"] for t in trainers)
+        prefetched = buffer["taken_steps"] - received
+        return self._sample_books(tally, workers, trainers, buffer, prefetched)
 
     def _imagined_sections(self, workers: list[dict], trainers: list[dict], loop: dict) -> dict:
         """The ``imagined_samples`` books (imagined env steps: generated = put into ``B_img``,

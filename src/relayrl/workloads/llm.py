@@ -230,6 +230,11 @@ class LLMWorkload:
             "time_s": time.time() - start,
         }
 
+    def partial_books(self, tally: RunTally) -> dict:
+        """The ``samples`` books of a run that stopped early: the controller's counts (it counts
+        generation here), with what was in flight unknown."""
+        return tally.books()
+
     def finish(self, tally: RunTally, loop: dict, rl_wall: float) -> dict:
         """Evaluate held-out again; the eval, perf, staleness and samples sections."""
         end = asyncio.run(self.evaluate())
