@@ -250,8 +250,9 @@ def test_the_acce_preset_runs_async_and_trains_its_value_head(ray_session, tmp_p
 
 def test_imagination_trains_on_imagined_segments_and_keeps_both_books(ray_session, tmp_path):
     """AcceRL-WM on the small run: the workers imagine after each real episode, the world-model
-    trainer fine-tunes both models every step and its replicas serve the new versions; real and
-    imagined env steps each balance their books, and the trace has the world-model rows."""
+    trainer (two ranks) fine-tunes both models every step and its replicas serve the new
+    versions; real and imagined env steps each balance their books, and the trace has the
+    world-model rows."""
     cfg = tiny_config(
         *SMALL,
         "mode=async",
@@ -265,6 +266,7 @@ def test_imagination_trains_on_imagined_segments_and_keeps_both_books(ray_sessio
         "world_model.train_reward_every=1",
         "world_model.train_steps=2",
         "world_model.batch_size=4",
+        "world_model.ranks=2",
         "imagination.episodes_per_real=2",
         "imagination.real_ratio=0.5",
         "imagination.buffer_steps=64",
@@ -284,7 +286,11 @@ def test_imagination_trains_on_imagined_segments_and_keeps_both_books(ray_sessio
     wm = summary["world_model"]
     assert wm["version"] >= 1 and wm["updates"]["obs"] >= 2 and wm["b_wm"]["added_steps"] > 0
     assert wm["service"]["versions"] == [wm["version"]] and wm["service"]["requests"] > 0
-    assert {"world_model_trainer", "world_model_service"} <= set(summary["perf"]["busy"])
+    rows = {"world_model_trainer_0", "world_model_trainer_1", "world_model_service"}
+    assert (
+        rows <= set(summary["perf"]["busy"])
+        and summary["perf"]["busy"]["world_model_trainer_1"] > 0
+    )
 
 
 def test_a_pretrained_world_model_of_other_sizes_is_refused_naming_them(tmp_path):

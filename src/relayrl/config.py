@@ -868,6 +868,13 @@ class WorldModelConfig(_Section):
         description="World-model service replicas, each a weight-sync receiver of the "
         "world-model trainer; rollout workers are spread over them in turn.",
     )
+    ranks: int = Field(
+        1,
+        ge=1,
+        description="World-model trainer ranks (data parallel over gloo/NCCL): each holds both "
+        "models whole and trains on its share of every batch, gradients summed over ranks; "
+        "rank 0 holds B_wm and publishes.",
+    )
     resources: dict[str, float] = _resources("world-model trainer and service")
 
     @field_validator("backend")

@@ -83,6 +83,26 @@ def gather_cat(values: Tensor) -> Tensor:
     return torch.cat([g[: int(c)] for g, c in zip(gathered, counts, strict=True)])
 
 
+def sum_gradients(params: list[nn.Parameter]) -> None:
+    """Sum each parameter's gradient over the ranks, in place, in one all-reduce (replicated
+    parameters, as DDP keeps them); a collective. A gradient no rank has stays None, as it would
+    in one process, so the optimizer skips that parameter everywhere."""
+    used = torch.tensor([p.grad is not None for p in params], dtype=torch.float32)
+    dist.all_reduce(used, op=dist.ReduceOp.MAX)
+    live = [p for p, u in zip(params, used.tolist(), strict=True) if u]
+    for p in live:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    if not live:
+        return
+    flat = torch.cat([p.grad.reshape(-1) for p in live])
+    dist.all_reduce(flat)
+    offset = 0
+    for p in live:
+        p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
+        offset += p.numel()
+
+
 def share(count: int, rank: int, world: int) -> slice:
     """``rank``'s contiguous block of ``count`` items: blocks in rank order, sizes differing by
     at most one (the first ``count % world`` ranks take one more); possibly empty."""

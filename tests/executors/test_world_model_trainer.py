@@ -9,6 +9,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+import ray
 import torch
 
 from relayrl.config import load_config
@@ -61,7 +62,8 @@ def episode(steps: int, seed: int, success: bool = False) -> Episode:
     )
 
 
-def make_trainer(*overrides: str) -> WorldModelTrainer:
+def trainer_args(*overrides: str) -> tuple:
+    """A world-model trainer's arguments: the config, M_obs's and M_reward's."""
     cfg = load_config(
         None,
         [
@@ -84,7 +86,11 @@ def make_trainer(*overrides: str) -> WorldModelTrainer:
         cond_dim=32,
     )
     reward = SuccessModelConfig(image_size=SIZE, channels=8, hidden=16, instruction_tokens=4)
-    return WorldModelTrainer(cfg, obs, reward)
+    return cfg, obs, reward
+
+
+def make_trainer(*overrides: str) -> WorldModelTrainer:
+    return WorldModelTrainer(*trainer_args(*overrides))
 
 
 @pytest.fixture(autouse=True)
@@ -239,3 +245,35 @@ def test_published_weights_serve_imagination_requests_in_batches():
         replies[1].frame, expected[1]
     )
     assert replies[2].frame is None and replies[2].prob == pytest.approx(start_prob, abs=1e-6)
+
+
+def test_two_ranks_take_the_step_one_trainer_takes(ray_session):
+    """Rank 0 holds B_wm and draws; each rank trains on its block of the batch (3 and 2 of 5
+    samples), gradients summed: both ranks end with the weights and losses of one trainer."""
+    from test_trainer_ranks import ATOL, TIMEOUT_S, on_all, trainer_group
+
+    args = trainer_args(
+        "world_model.train_obs_every=1",
+        "world_model.train_reward_every=2",
+        "world_model.train_steps=2",
+        "world_model.batch_size=5",
+    )
+    episodes = [episode(6, s, success=s == 1) for s in range(4)]
+    one = WorldModelTrainer(*args)
+    one.add_episodes(episodes)
+    with trainer_group(WorldModelTrainer, *args) as ranks:
+        assert ray.get(ranks[0].add_episodes.remote(episodes), timeout=TIMEOUT_S) == 24
+        for step in (1, 2):
+            results = on_all(ranks, "train", step)
+            alone = one.train(step)
+            assert [r.version for r in results] == [alone.version] * 2
+            for key, value in alone.metrics.items():
+                assert results[0].metrics[key] == pytest.approx(value, abs=ATOL), key
+        weights = ray.get(
+            [r.__ray_call__.remote(lambda t: t.model.state_dict()) for r in ranks],
+            timeout=TIMEOUT_S,
+        )
+    assert one.stats()["updates"] == {"obs": 4, "reward": 2}
+    for key, value in one.model.state_dict().items():
+        for rank in weights:
+            assert torch.allclose(rank[key], value, atol=ATOL), key

@@ -14,18 +14,31 @@ weight sync, as the policy trainer sends the policy.
 Models start from ``world_model.path`` (``relayrl wm pretrain``'s output) or fresh. As a Ray
 actor create it with ``max_concurrency=2``: workers add episodes while a round trains (a lock
 keeps ``B_wm`` whole).
+
+With ``world_model.ranks`` > 1 the trainer is a data-parallel group (``relayrl.parallel``'s
+rendezvous: rank 0 hosts it, every rank calls ``join_group``). The models are small, so every rank
+holds both whole (replicated, not sharded). Rank 0 holds ``B_wm`` (the workers send it their
+episodes) and draws each gradient step's batch; the batch goes to every rank (a broadcast), each
+rank takes the loss on its block (``parallel.share``) weighted by its fraction of the batch, and
+the gradients are summed over ranks, so every rank takes the step one trainer takes on the whole
+batch and the replicas stay equal. ``train`` is called on every rank; rank 0 alone publishes.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
+from relayrl import parallel
 from relayrl.config import Config
 from relayrl.data.trajectories import Episode
 from relayrl.models.world_model import (
@@ -132,8 +145,9 @@ class WorldModelTrainer:
         rank: int = 0,
         world: int = 1,
     ):
-        if (rank, world) != (0, 1):
-            raise ValueError(f"the world-model trainer has one rank, got rank={rank} of {world}")
+        if not 0 <= rank < world:
+            raise ValueError(f"rank must be in [0, world={world}), got rank={rank}")
+        self.rank, self.world = rank, world
         torch.set_num_threads(cfg.ray.threads_per_executor)
         torch.manual_seed(cfg.run.seed)
         wm = cfg.world_model
@@ -146,6 +160,8 @@ class WorldModelTrainer:
         else:
             obs, reward = build_obs_model(obs_cfg), SuccessModel(reward_cfg)
         self.model = WorldModel(obs, reward).train()
+        if world > 1:  # the replicas start equal; each rank draws noise of its own from here
+            torch.manual_seed(cfg.run.seed + rank)
         self.obs_opt = torch.optim.AdamW(obs.parameters(), lr=wm.lr)
         self.reward_opt = torch.optim.AdamW(reward.parameters(), lr=wm.lr)
         self.buffer = RealEpisodes(wm.buffer_steps, seed=cfg.run.seed)
@@ -179,21 +195,23 @@ class WorldModelTrainer:
         with self.tracer.span("train_world_model", self.version):
             k = self.model.obs.cfg.context_frames
             for _ in range(wm.train_steps if due_obs else 0):
-                with self._lock:
-                    if not self.buffer.steps:
-                        break
-                    batch = self.buffer.transitions(wm.batch_size, k)
+                batch = self._draw(
+                    lambda: self.buffer.transitions(wm.batch_size, k) if self.buffer.steps else None
+                )
+                if batch is None:
+                    break
                 metrics["world_model/loss_obs"] = self._step(
-                    self.model.obs.loss(batch), self.obs_opt
+                    self.model.obs, self.model.obs.loss, batch, self.obs_opt
                 )
                 trained_obs = True
             for _ in range(wm.train_steps if due_reward else 0):
-                with self._lock:
-                    found = self.buffer.success_labels(wm.batch_size, self.model.reward)
+                found = self._draw(
+                    lambda: self.buffer.success_labels(wm.batch_size, self.model.reward)
+                )
                 if found is None:
                     break
                 metrics["world_model/loss_reward"] = self._step(
-                    self.model.reward.loss(found), self.reward_opt
+                    self.model.reward, self.model.reward.loss, found, self.reward_opt
                 )
                 trained_reward = True
         self.updates["obs"] += trained_obs * wm.train_steps
@@ -204,11 +222,56 @@ class WorldModelTrainer:
         metrics["world_model/buffer_steps"] = float(self.buffer.steps)
         return WMStepResult(trained_obs, trained_reward, self.version, metrics)
 
-    def _step(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer) -> float:
+    def _draw(self, draw: Callable[[], Any]) -> Any:
+        """A gradient step's batch: what ``draw()`` gives on rank 0 (None: nothing to learn from
+        yet), the same object on every rank."""
+        if self.rank == 0:
+            with self._lock:
+                drawn = draw()
+        else:
+            drawn = None
+        if self.world > 1:
+            box = [drawn]
+            dist.broadcast_object_list(box, src=0)
+            drawn = box[0]
+        return drawn
+
+    def _step(
+        self,
+        model: torch.nn.Module,
+        loss_fn: Callable[[Any], torch.Tensor],
+        batch: Any,
+        optimizer: torch.optim.Optimizer,
+    ) -> float:
+        """One optimizer step of ``model`` on ``batch`` (a mean loss over its samples); with
+        ranks, each on its block, weighted by its fraction, gradients summed. Returns the loss
+        of the whole batch."""
         optimizer.zero_grad()
-        loss.backward()
+        if self.world == 1:
+            loss = loss_fn(batch)
+            loss.backward()
+        else:
+            fields = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
+            size = len(next(iter(fields.values())))
+            block = parallel.share(size, self.rank, self.world)
+            mine = type(batch)(**{k: None if v is None else v[block] for k, v in fields.items()})
+            weight = (block.stop - block.start) / size
+            loss = loss_fn(mine) * weight if weight else torch.zeros(())
+            if weight:
+                loss.backward()
+            parallel.sum_gradients(list(model.parameters()))
+            loss = loss.detach().reshape(1)
+            dist.all_reduce(loss)
         optimizer.step()
         return float(loss.detach())
+
+    def group_address(self) -> tuple[str, int]:
+        """Rank 0: where the ranks' process group meets."""
+        return parallel.group_address()
+
+    def join_group(self, host: str, port: int) -> None:
+        """Join the ranks' process group (every rank at once)."""
+        parallel.join(host, port, self.rank, self.world, cuda=False)
 
     def open_sync(self, transport: str, receivers: list[str], host: str = "127.0.0.1") -> dict:
         """Create the weight-sync publisher; returns the address receivers attach to."""

@@ -107,7 +107,7 @@ class EmbodiedWorkload:
         self.wm_services = Group("world_model_service", [])
         self.imagined_buffer: Any = None
         self.wm_sync: Any = None
-        self.wm_round: Any = None  # the world-model trainer's round in progress (a ref)
+        self.wm_round: Any = None  # the world-model trainer's round in progress (a ref per rank)
         self.wm_version = 0  # the world-model version the replicas were last handed
         greedy = "greedy" if cfg.env.eval_greedy else "sampled"
         self.legend = {"eval_label": f"evaluation success ({greedy})"}
@@ -150,7 +150,7 @@ class EmbodiedWorkload:
         if self.imagining:
             wm = cfg.world_model
             roles |= {
-                "world_model_trainer": (1, wm.resources),
+                "world_model_trainer": (wm.ranks, wm.resources),
                 "world_model_service": (wm.replicas, wm.resources),
                 "imagined_buffer": (1, cfg.trainer.resources),
             }
@@ -205,10 +205,12 @@ class EmbodiedWorkload:
             "world_model_trainer",
             [
                 remote_class(WorldModelTrainer)
-                .options(max_concurrency=2, **at("world_model_trainer", 0))
-                .remote(cfg, obs_cfg, reward_cfg)
+                .options(max_concurrency=2, **at("world_model_trainer", r))
+                .remote(cfg, obs_cfg, reward_cfg, rank=r, world=wm.ranks)
+                for r in range(wm.ranks)
             ],
         )
+        form_trainer_group(self.wm_trainer)
         self.wm_services = Group(
             "world_model_service",
             [
@@ -475,11 +477,13 @@ class EmbodiedWorkload:
             return {}
         out: dict[str, float] = {}
         if self.wm_round is not None:
-            done, _ = await asyncio.to_thread(ray.wait, [self.wm_round], timeout=0)
-            if not done:
+            done, _ = await asyncio.to_thread(
+                ray.wait, self.wm_round, num_returns=len(self.wm_round), timeout=0
+            )
+            if len(done) < len(self.wm_round):
                 return out
             out = await self.finish_world_model()
-        self.wm_round = self.wm_trainer[0].train.remote(step)
+        self.wm_round = [rank.train.remote(step) for rank in self.wm_trainer]
         return out
 
     async def finish_world_model(self) -> dict[str, float]:
@@ -487,7 +491,7 @@ class EmbodiedWorkload:
         to the replicas; its metrics."""
         if self.wm_round is None:
             return {}
-        found = await self.wm_round
+        found, *_ = await asyncio.gather(*self.wm_round)  # every rank ends the round alike
         self.wm_round = None
         if found.version > self.wm_version:
             await asyncio.gather(*self.wm_sync.publish())
@@ -500,7 +504,9 @@ class EmbodiedWorkload:
         cfg = self.cfg
         ray.get(publish_weights(self.trainer, self.receivers()))
         if self.imagining:  # the replicas serve the world-model trainer's version 0 first
-            self.wm_sync = connect_weight_sync(cfg, self.wm_trainer, self.wm_services.named())
+            # The ranks hold the same weights whole: rank 0 publishes them.
+            publisher = Group(self.wm_trainer.role, self.wm_trainer.actors[:1])
+            self.wm_sync = connect_weight_sync(cfg, publisher, self.wm_services.named())
             ray.get(self.wm_sync.publish())
         if cfg.env.eval_tasks is not None:
             unknown = sorted(set(cfg.env.eval_tasks) - set(self.tasks))
