@@ -251,12 +251,15 @@ def test_the_acce_preset_runs_async_and_trains_its_value_head(ray_session, tmp_p
 def test_imagination_trains_on_imagined_segments_and_keeps_both_books(ray_session, tmp_path):
     """AcceRL-WM on the small run: the workers imagine after each real episode, the world-model
     trainer (two ranks) fine-tunes both models every step and its replicas serve the new
-    versions; real and imagined env steps each balance their books, and the trace has the
-    world-model rows."""
+    versions; real and imagined env steps each balance their books, also after a resume from the
+    step-2 checkpoint, and the trace has the world-model rows."""
+    from test_resume import _interrupted_copy
+
     cfg = tiny_config(
         *SMALL,
         "mode=async",
         "steps=4",
+        "run.checkpoint_every=2",
         "world_model.channels=8",
         "world_model.cond_dim=16",
         "world_model.reward_hidden=16",
@@ -291,6 +294,15 @@ def test_imagination_trains_on_imagined_segments_and_keeps_both_books(ray_sessio
         rows <= set(summary["perf"]["busy"])
         and summary["perf"]["busy"]["world_model_trainer_1"] > 0
     )
+
+    resumed = train(cfg, _interrupted_copy(tmp_path / "run", 2, tmp_path), resume=True)
+    assert resumed["status"] == "finished" and resumed["steps"] == 4
+    check_books(resumed)
+    imagined = resumed["imagined_samples"]
+    assert imagined["accounted"] and imagined["trained"] > 0
+    record = resumed["resumes"][0]
+    assert record["step"] == 2 and record["imagined_dropped_resume"] == imagined["dropped_resume"]
+    assert resumed["world_model"]["version"] >= 3  # two rounds kept, two more trained
 
 
 def test_a_pretrained_world_model_of_other_sizes_is_refused_naming_them(tmp_path):

@@ -208,10 +208,11 @@ class Checkpointer:
         if self._stop_requested:
             raise KeyboardInterrupt
 
-    async def write(self, in_flight: int = 0) -> Path | None:
+    async def write(self, in_flight: int = 0, imagined_in_flight: int | None = None) -> Path | None:
         """Write the checkpoint of the current step: trainer ranks write their own parts, every
         other executor's state and the controller's come through here. An executor that dies
-        meanwhile skips this checkpoint (None): the next one is due ``checkpoint_every`` later."""
+        meanwhile skips this checkpoint (None): the next one is due ``checkpoint_every`` later.
+        ``imagined_in_flight``: as ``in_flight``, for imagined env steps (world model)."""
         from relayrl.observability.metrics import say
         from relayrl.observability.tracing import collect_spans
         from relayrl.recovery import DEATHS, first_line
@@ -221,6 +222,7 @@ class Checkpointer:
         controller = self.context | {
             "tally": self.tally.state_dict(),
             "in_flight": in_flight,
+            "imagined_in_flight": imagined_in_flight,
             "metrics_bytes": self.log.path.stat().st_size,
             "rl_wall_s": self.context.get("rl_wall_s", 0.0) + time.time() - self.rl_start,
         }
@@ -271,6 +273,9 @@ class Checkpointer:
             "dropped_resume": dropped,
             "time": time.time(),
         }
+        if (imagined := self.context.pop("imagined_in_flight", None)) is not None:
+            self.tally.imagined_dropped_resume += imagined
+            record["imagined_dropped_resume"] = imagined
         # Every resume, also one whose run died before its next checkpoint (and so is not in the
         # books of the checkpoint the next resume takes).
         with (self.run_dir / RESUMES).open("a") as f:

@@ -376,7 +376,8 @@ async def run_streaming(
             # With the workers stopped the buffer holds still, and the fetch ahead has taken its
             # segments or is waiting for more: the books and the snapshot agree.
             await runs.stop()
-            await ckpt.write(in_flight=await w.prefetched())
+            real, imagined = await w.prefetched()
+            await ckpt.write(in_flight=real, imagined_in_flight=imagined)
             runs.start()
             ckpt.after()
     await runs.stop()

@@ -106,6 +106,7 @@ TALLIED = (
     "ratio_sum",
     "ratio_steps",
     "imagined_trained",
+    "imagined_dropped_resume",
 )  # what a checkpoint keeps of a RunTally
 
 
@@ -150,6 +151,7 @@ class RunTally:
         self.dropped_stale = 0
         self.imagined_trained = 0  # embodied with imagination: imagined env steps trained
         self.dropped_resume = 0  # in flight at a checkpoint a resume continued from
+        self.imagined_dropped_resume = 0  # the same for imagined env steps
         self.lost = 0  # counted as generated, then died with an executor
         self.failures: list[dict] = []  # executors that died and were replaced
         self.score_errors = 0

@@ -431,6 +431,16 @@ class EmbodiedWorkload:
             ]
         )
         ray.get(self._report_loaded(parts))
+        if self.imagining:  # the replicas serve the world model the checkpoint holds
+            self._serve_world_model()
+
+    def _serve_world_model(self) -> None:
+        """Connect the world-model replicas to the trainer's rank 0 (the ranks hold the same
+        weights whole) and serve the version it holds."""
+        publisher = Group(self.wm_trainer.role, self.wm_trainer.actors[:1])
+        self.wm_sync = connect_weight_sync(self.cfg, publisher, self.wm_services.named())
+        ray.get(self.wm_sync.publish())
+        self.wm_version = ray.get(self.wm_trainer[0].stats.remote())["version"]
 
     def _report_loaded(self, parts: dict[str, Any]) -> list:
         """Tell each rollout worker's inference replica the env steps the worker was loaded with
@@ -443,13 +453,18 @@ class EmbodiedWorkload:
             )
         ]
 
-    async def prefetched(self) -> int:
-        """Env steps the replay buffer handed out that no trainer rank has received yet (a fetch
-        ahead); only exact while no worker puts."""
-        buffer = await self.replay_buffer.stats.remote()
+    async def prefetched(self) -> tuple[int, int | None]:
+        """Real and imagined env steps the buffers handed out that no trainer rank has received
+        yet (a fetch ahead; imagined None without imagination); only exact while no worker
+        puts."""
         ranks = await asyncio.gather(*(r.stats.remote() for r in self.trainer))
-        received = sum(t["trained"] + t["dropped_stale"] for t in ranks)
-        return buffer["taken_steps"] - received
+        buffer = await self.replay_buffer.stats.remote()
+        real = buffer["taken_steps"] - sum(t["trained"] + t["dropped_stale"] for t in ranks)
+        if not self.imagining:
+            return real, None
+        imagined = await self.imagined_buffer.stats.remote()
+        received = sum(t["imagined_trained"] + t["imagined_dropped_stale"] for t in ranks)
+        return real, imagined["taken_steps"] - received
 
     def _executors(self) -> list[Group]:
         return [g for g in self.groups() if g.role != "trainer"]
@@ -504,10 +519,7 @@ class EmbodiedWorkload:
         cfg = self.cfg
         ray.get(publish_weights(self.trainer, self.receivers()))
         if self.imagining:  # the replicas serve the world-model trainer's version 0 first
-            # The ranks hold the same weights whole: rank 0 publishes them.
-            publisher = Group(self.wm_trainer.role, self.wm_trainer.actors[:1])
-            self.wm_sync = connect_weight_sync(cfg, publisher, self.wm_services.named())
-            ray.get(self.wm_sync.publish())
+            self._serve_world_model()
         if cfg.env.eval_tasks is not None:
             unknown = sorted(set(cfg.env.eval_tasks) - set(self.tasks))
             if unknown or not cfg.env.eval_tasks:
@@ -656,7 +668,7 @@ class EmbodiedWorkload:
         occupancy = loop["occupancy"]
         requests = sum(s["requests"] for s in services)
         forwards = sum(s["forwards"] for s in services)
-        imagined = self._imagined_sections(workers, trainers, loop) if self.imagining else {}
+        imagined = self._imagined_sections(tally, workers, trainers, loop) if self.imagining else {}
         return imagined | {
             "eval": {"end": end},
             "rollout": {
@@ -748,7 +760,9 @@ class EmbodiedWorkload:
         prefetched = buffer["taken_steps"] - received
         return self._sample_books(tally, workers, trainers, buffer, prefetched)
 
-    def _imagined_sections(self, workers: list[dict], trainers: list[dict], loop: dict) -> dict:
+    def _imagined_sections(
+        self, tally: RunTally, workers: list[dict], trainers: list[dict], loop: dict
+    ) -> dict:
         """The ``imagined_samples`` books (imagined env steps: generated = put into ``B_img``,
         trained, dropped, in flight) and the ``world_model`` section."""
         buffer = ray.get(self.imagined_buffer.stats.remote())
@@ -758,6 +772,7 @@ class EmbodiedWorkload:
             "dropped_stale": sum(t["imagined_dropped_stale"] for t in trainers)
             + buffer["dropped_stale_steps"],
             "dropped_overflow": buffer["dropped_overflow_steps"],
+            "dropped_resume": tally.imagined_dropped_resume,
         }
         in_flight = {
             "resident": buffer["resident_steps"],
