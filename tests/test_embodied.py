@@ -248,6 +248,23 @@ def test_the_acce_preset_runs_async_and_trains_its_value_head(ray_session, tmp_p
     assert any(name.startswith("value_head.") for name in changed)
 
 
+IMAGINING = [  # AcceRL-WM at the small run's size: a round of both models after every step
+    "mode=async",
+    "world_model.channels=8",
+    "world_model.cond_dim=16",
+    "world_model.reward_hidden=16",
+    "world_model.denoising_steps=2",
+    "world_model.max_steps=4",
+    "world_model.train_obs_every=1",
+    "world_model.train_reward_every=1",
+    "world_model.train_steps=2",
+    "world_model.batch_size=4",
+    "imagination.episodes_per_real=2",
+    "imagination.real_ratio=0.5",
+    "imagination.buffer_steps=64",
+]
+
+
 def test_imagination_trains_on_imagined_segments_and_keeps_both_books(ray_session, tmp_path):
     """AcceRL-WM on the small run: the workers imagine after each real episode, the world-model
     trainer (two ranks) fine-tunes both models every step and its replicas serve the new
@@ -256,23 +273,7 @@ def test_imagination_trains_on_imagined_segments_and_keeps_both_books(ray_sessio
     from test_resume import _interrupted_copy
 
     cfg = tiny_config(
-        *SMALL,
-        "mode=async",
-        "steps=4",
-        "run.checkpoint_every=2",
-        "world_model.channels=8",
-        "world_model.cond_dim=16",
-        "world_model.reward_hidden=16",
-        "world_model.denoising_steps=2",
-        "world_model.max_steps=4",
-        "world_model.train_obs_every=1",
-        "world_model.train_reward_every=1",
-        "world_model.train_steps=2",
-        "world_model.batch_size=4",
-        "world_model.ranks=2",
-        "imagination.episodes_per_real=2",
-        "imagination.real_ratio=0.5",
-        "imagination.buffer_steps=64",
+        *SMALL, *IMAGINING, "steps=4", "run.checkpoint_every=2", "world_model.ranks=2"
     )
     summary = train(cfg, tmp_path / "run")
     assert summary["status"] == "finished" and summary["steps"] == 4

@@ -13,8 +13,8 @@ import pytest
 import ray
 from conftest import tiny_config
 from test_controller import SMALL
+from test_embodied import IMAGINING, check_books
 from test_embodied import SMALL as EMBODIED
-from test_embodied import check_books
 
 from relayrl import job
 from relayrl.checkpoint import Checkpointer
@@ -129,6 +129,43 @@ def test_an_interrupted_embodied_run_books_the_env_steps_its_workers_played(
     assert summary["status"] == "interrupted" and summary["steps"] == 2
     samples = check_books(summary)
     assert samples["trained"] > 0 and "counted_by" not in samples
+
+
+def test_a_dead_world_model_trainer_fails_the_run_which_resumes(ray_session, tmp_path, monkeypatch):
+    """The world-model trainer is not replaced (its B_wm and rounds would be lost): its death
+    fails the run, naming it, and the run resumes from its last checkpoint with both books."""
+    monkeypatch.setitem(job.WORKLOADS, "embodied", KeptEmbodied)
+    cfg = tiny_config(*EMBODIED, *IMAGINING, "steps=5", "run.checkpoint_every=2")
+    run_dir = tmp_path / "run"
+    todo = _kill_at(monkeypatch, [(3, "world_model_trainer", 0, "os.kill")])
+    with pytest.raises(ExecutorFailed, match="world_model_trainer died"):
+        job.train(cfg, run_dir)
+    assert todo == []
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["failed_executor"] == "world_model_trainer"
+    assert summary["resume"] == f"relayrl train --resume {run_dir}"
+    monkeypatch.undo()
+    resumed = job.train(cfg, run_dir, resume=True)
+    assert resumed["status"] == "finished" and resumed["steps"] == 5
+    assert resumed["resumes"][0]["step"] == 2
+    check_books(resumed)
+    assert resumed["imagined_samples"]["accounted"]
+
+
+def test_a_dead_world_model_replica_fails_the_run_instead_of_restarting_workers_forever(
+    ray_session, tmp_path, monkeypatch
+):
+    """Imagining workers call the world-model replica: its death ends their runs while they and
+    their inference replica live. Nothing replaces it yet, so the run fails naming it (it used
+    to restart the workers' runs, which failed again at once, for ever)."""
+    monkeypatch.setitem(job.WORKLOADS, "embodied", KeptEmbodied)
+    cfg = tiny_config(*EMBODIED, *IMAGINING, "steps=5")
+    todo = _kill_at(monkeypatch, [(2, "world_model_service", 0, "os.kill")])
+    with pytest.raises(ExecutorFailed, match="world_model_service died"):
+        job.train(cfg, tmp_path / "run")
+    assert todo == []
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["failed_executor"] == "world_model_service"
 
 
 def test_a_dead_trainer_rank_fails_the_run_and_names_it(ray_session, tmp_path, monkeypatch):

@@ -352,7 +352,14 @@ async def run_streaming(
         ready = asyncio.to_thread(
             ray.wait, batch_refs, num_returns=len(batch_refs), fetch_local=False
         )
-        await _first_or_raise(ready, [runs.watch])
+        try:
+            await _first_or_raise(ready, [runs.watch])
+        except BaseException:
+            # The fetch goes on waiting, in a thread asyncio.run waits for at exit, for segments
+            # no worker will put now: closing the buffers ends it.
+            with contextlib.suppress(Exception):
+                await asyncio.gather(*(b.close.remote() for b in w.buffers()))
+            raise
         trainer_idle.wait("replay", start, time.time())
         segments_refs = batch_refs
         # Trained after the step now starting, by a trainer one version on: fetched for that one,

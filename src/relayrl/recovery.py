@@ -203,13 +203,20 @@ class WorkerRuns:
 
     async def _replace_dead(self, i: int, err: BaseException) -> None:
         """Worker ``i``'s call failed with ``err``: replace its inference replica and itself,
-        whichever died (re-raise an error that is no death)."""
+        whichever died (re-raise an error that is no death). The death of an executor neither
+        of them (a world-model replica, say), which nothing replaces, fails the run naming it,
+        where restarting the worker would only fail again."""
         if not is_death(err):
             raise err
         services = self.w.services
         s = i % len(services)
+        replaced = False
         if not await alive(services[s]):
             await self.recovery.replace(services, s, err)
+            replaced = True
         if not await alive(self.w.workers[i]):
             unfinished = await self.w.retire(i)
             await self.recovery.replace(self.w.workers, i, err, unfinished=unfinished)
+            replaced = True
+        if not replaced and (name := dead_executor(err, self.w.groups())) is not None:
+            raise ExecutorFailed(name, first_line(err)) from err

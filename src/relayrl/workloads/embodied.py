@@ -73,7 +73,7 @@ from relayrl.models.world_model import (
 )
 from relayrl.models.world_model.serving import WorldModel, world_model_replies
 from relayrl.observability.metrics import MetricsLog, RunTally, say
-from relayrl.recovery import DEATHS, Recovery, alive
+from relayrl.recovery import DEATHS, ExecutorFailed, Recovery, alive, first_line
 from relayrl.types import Segment
 
 SERVICE_SEED = 2 * 10**6  # inference replica i samples actions from seed run.seed + this + i
@@ -506,8 +506,14 @@ class EmbodiedWorkload:
         to the replicas; its metrics."""
         if self.wm_round is None:
             return {}
-        found, *_ = await asyncio.gather(*self.wm_round)  # every rank ends the round alike
-        self.wm_round = None
+        rounds, self.wm_round = self.wm_round, None
+        try:
+            found, *_ = await asyncio.gather(*rounds)  # every rank ends the round alike
+        except DEATHS as err:  # not replaced: B_wm and the round would be lost with it
+            for name, rank in self.wm_trainer.named().items():
+                if not await alive(rank):
+                    raise ExecutorFailed(name, first_line(err)) from err
+            raise
         if found.version > self.wm_version:
             await asyncio.gather(*self.wm_sync.publish())
             self.wm_version = found.version
