@@ -459,12 +459,10 @@ class EmbodiedWorkload:
         puts."""
         ranks = await asyncio.gather(*(r.stats.remote() for r in self.trainer))
         buffer = await self.replay_buffer.stats.remote()
-        real = buffer["taken_steps"] - sum(t["trained"] + t["dropped_stale"] for t in ranks)
+        real = unreceived(buffer, ranks)
         if not self.imagining:
             return real, None
-        imagined = await self.imagined_buffer.stats.remote()
-        received = sum(t["imagined_trained"] + t["imagined_dropped_stale"] for t in ranks)
-        return real, imagined["taken_steps"] - received
+        return real, unreceived(await self.imagined_buffer.stats.remote(), ranks, "imagined_")
 
     def _executors(self) -> list[Group]:
         return [g for g in self.groups() if g.role != "trainer"]
@@ -762,9 +760,7 @@ class EmbodiedWorkload:
         workers = ray.get([w.stats.remote() for w in self.workers], timeout=timeout)
         trainers = ray.get([r.stats.remote() for r in self.trainer], timeout=timeout)
         buffer = ray.get(self.replay_buffer.stats.remote(), timeout=timeout)
-        received = sum(t["trained"] + t["dropped_stale"] for t in trainers)
-        prefetched = buffer["taken_steps"] - received
-        return self._sample_books(tally, workers, trainers, buffer, prefetched)
+        return self._sample_books(tally, workers, trainers, buffer, unreceived(buffer, trainers))
 
     def _imagined_sections(
         self, tally: RunTally, workers: list[dict], trainers: list[dict], loop: dict
@@ -819,6 +815,13 @@ class EmbodiedWorkload:
                 },
             },
         }
+
+
+def unreceived(buffer: dict, ranks: list[dict], kind: str = "") -> int:
+    """Env steps ``buffer`` (its stats) handed out that no trainer rank (``ranks``' stats) has
+    received yet: taken, neither trained nor dropped stale; ``kind`` "imagined_" for ``B_img``."""
+    received = sum(t[f"{kind}trained"] + t[f"{kind}dropped_stale"] for t in ranks)
+    return buffer["taken_steps"] - received
 
 
 class TaskChoice:
