@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from relayrl import checkpoint
-from relayrl.checkpoint import NoCheckpoint, commit, latest, load_part, save_part, staging
+from relayrl import checkpoint_format
+from relayrl.checkpoint_format import NoCheckpoint, commit, latest, load_part, save_part, staging
 
 
 def _write(run_dir, step: int, keep: int = 10, value: float = 1.0):
@@ -25,7 +25,7 @@ def test_a_committed_checkpoint_has_a_manifest_with_every_file_and_reads_back(tm
     assert manifest["step"] == 3
     assert sorted(e["file"] for e in manifest["files"]) == ["controller.pt", "trainer_0.pt"]
     assert all(len(e["sha256"]) == 64 and e["bytes"] > 0 for e in manifest["files"])
-    assert checkpoint.verify(path) is None
+    assert checkpoint_format.verify(path) is None
     assert torch.equal(load_part(path, "trainer_0")["w"], torch.full((4,), 2.5))
     assert not list((tmp_path / "checkpoints").glob(".step-*")), "the staging directory remains"
 
@@ -62,7 +62,7 @@ def test_a_flipped_byte_fails_the_hash(tmp_path):
     data = bytearray((path / "trainer_0.pt").read_bytes())
     data[-20] ^= 0x01
     (path / "trainer_0.pt").write_bytes(bytes(data))
-    assert checkpoint.verify(path) == "trainer_0.pt fails its SHA-256"
+    assert checkpoint_format.verify(path) == "trainer_0.pt fails its SHA-256"
     with pytest.raises(NoCheckpoint, match="no usable checkpoint"):
         latest(tmp_path, warn=lambda line: None)
 
@@ -71,4 +71,4 @@ def test_rewriting_a_step_replaces_the_old_checkpoint_of_that_step(tmp_path):
     _write(tmp_path, 2, value=1.0)
     path = _write(tmp_path, 2, value=7.0)
     assert torch.equal(load_part(path, "trainer_0")["w"], torch.full((4,), 7.0))
-    assert checkpoint.verify(path) is None
+    assert checkpoint_format.verify(path) is None

@@ -320,7 +320,7 @@ def test_the_cli_refuses_an_earlier_runs_directory_at_once(tmp_path):
 
 def _run_with_a_checkpoint(tmp_path):
     """A run directory with a config and one (tiny, valid) run checkpoint."""
-    from relayrl.checkpoint import commit, save_part, staging
+    from relayrl.checkpoint_format import commit, save_part, staging
     from relayrl.config import save_config
 
     run_dir = tmp_path / "run"

@@ -12,7 +12,7 @@ from test_controller import SMALL
 from test_recovery import Kept, _kill_at
 
 from relayrl import job
-from relayrl.checkpoint import DIRECTORY, load_part
+from relayrl.checkpoint_format import DIRECTORY, load_part
 from relayrl.pipeline import Pipeline, Stage, StageExecutor
 
 

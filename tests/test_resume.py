@@ -14,7 +14,7 @@ from test_controller import SMALL as LLM
 from test_embodied import SMALL as EMBODIED
 from test_embodied import check_books
 
-from relayrl.checkpoint import DIRECTORY
+from relayrl.checkpoint_format import DIRECTORY
 from relayrl.job import train
 
 
@@ -110,7 +110,7 @@ def test_an_async_resume_keeps_the_books_and_the_staleness_bound(ray_session, tm
 
 
 def test_resume_without_a_checkpoint_says_so(tmp_path):
-    from relayrl.checkpoint import NoCheckpoint
+    from relayrl.checkpoint_format import NoCheckpoint
 
     cfg = tiny_config(*LLM)
     with pytest.raises(NoCheckpoint, match="no usable checkpoint"):

@@ -36,7 +36,7 @@ from collections import deque
 
 import torch
 
-from relayrl import checkpoint, faults, parallel
+from relayrl import checkpoint_format, faults, parallel
 from relayrl.algorithms.losses import (
     BATCH_STATISTICS,
     LOSS_OPTIONS,
@@ -284,11 +284,11 @@ class TrainerCore:
     def save_checkpoint(self, directory: str) -> dict:
         """Write this rank's ``state_dict`` into a run checkpoint's staging directory as
         ``trainer_{rank}.pt``; returns its manifest entry."""
-        return checkpoint.save_part(directory, f"trainer_{self.rank}", self.state_dict())
+        return checkpoint_format.save_part(directory, f"trainer_{self.rank}", self.state_dict())
 
     def load_checkpoint(self, directory: str) -> int:
         """Restore this rank from a run checkpoint; returns the restored policy version."""
-        self.load_state_dict(checkpoint.load_part(directory, f"trainer_{self.rank}"))
+        self.load_state_dict(checkpoint_format.load_part(directory, f"trainer_{self.rank}"))
         return self.version
 
     def _lr_factor(self, update: int) -> float:
