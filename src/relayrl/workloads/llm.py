@@ -14,6 +14,7 @@ import ray
 
 from relayrl.config import Config
 from relayrl.executors.generator import Generator
+from relayrl.executors.stages import Stage, config_stages
 from relayrl.executors.trainer import Trainer
 from relayrl.launch import (
     Group,
@@ -25,7 +26,6 @@ from relayrl.launch import (
     snapshot,
 )
 from relayrl.observability.metrics import MetricsLog, RunTally, say
-from relayrl.pipeline import Stage, config_stages
 from relayrl.recovery import DEATHS, Recovery, alive
 
 
