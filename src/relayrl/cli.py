@@ -501,7 +501,7 @@ def _wm(args: argparse.Namespace, overrides: list[str], argv: list[str] | None) 
     """Run ``relayrl wm COMMAND``: 2 and one line on stderr for bad configs or arguments."""
     command = "relayrl " + " ".join(sys.argv[1:] if argv is None else argv)
     try:
-        cfg = load_config(args.config, overrides)
+        cfg = load_config(args.config, overrides, world_model=True)
     except ConfigError as err:
         print(f"relayrl: config error: {err}", file=sys.stderr)
         return 2

@@ -20,6 +20,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -1040,6 +1041,26 @@ NOT_FOR: dict[str, tuple[str, ...]] = {
 }
 
 
+# The sections that exist only while their feature is on: what turns each on, in the words of a
+# refusal. Off, the section is None, and setting any of its options is refused.
+FEATURES: dict[str, str] = {
+    "reward_model": "no reward model is placed; reward_model.path places one",
+    "reference": "no reference is placed; trainer.kl_coef > 0 places one",
+    "critic": "no critic is placed; trainer.advantage=gae places one",
+    "imagination": "imagination is off; imagination.episodes_per_real > 0 turns it on",
+    "world_model": "the run has no world model; imagination.episodes_per_real > 0 places one "
+    "(the relayrl wm commands read it too)",
+}
+# A feature switched on by a field of its own section: that field alone does not count as setting
+# the section's options (reward_model.path=null, imagination.episodes_per_real=0 are fine).
+SWITCHES = {"reward_model": "path", "imagination": "episodes_per_real"}
+
+
+def _present(description: str) -> Any:
+    """An optional section: None unless its feature is on."""
+    return Field(None, description=description + "; null otherwise, and its options are refused.")
+
+
 class Config(_Section):
     """A whole run."""
 
@@ -1072,9 +1093,16 @@ class Config(_Section):
     warm_start: WarmStartConfig = WarmStartConfig()
     generator: GeneratorConfig = GeneratorConfig()
     rewarder: RewarderConfig = RewarderConfig()
-    reward_model: RewardModelConfig = RewardModelConfig()
-    reference: ReferenceConfig = ReferenceConfig()
-    critic: CriticConfig = CriticConfig()
+    reward_model: RewardModelConfig | None = _present(
+        "llm: the reward model, present when reward_model.path is set (it places the "
+        "reward_model role)"
+    )
+    reference: ReferenceConfig | None = _present(
+        "llm: the reference policy of the KL term, present when trainer.kl_coef > 0"
+    )
+    critic: CriticConfig | None = _present(
+        "llm: the value model, present when trainer.advantage=gae"
+    )
     trainer: TrainerConfig = TrainerConfig()
     channels: ChannelsConfig = ChannelsConfig()
     sync: SyncConfig = SyncConfig()
@@ -1085,112 +1113,300 @@ class Config(_Section):
     inference: InferenceConfig = InferenceConfig()
     replay: ReplayConfig = ReplayConfig()
     vla: VLAModelConfig = VLAModelConfig()
-    world_model: WorldModelConfig = WorldModelConfig()
-    imagination: ImaginationConfig = ImaginationConfig()
+    world_model: WorldModelConfig | None = _present(
+        "embodied: the world model, present with imagination (and for the relayrl wm commands)"
+    )
+    imagination: ImaginationConfig | None = _present(
+        "embodied: imagination (AcceRL-WM), present when imagination.episodes_per_real > 0"
+    )
+
+    def features(self) -> set[str]:
+        """The optional sections whose feature is on (see FEATURES)."""
+        on = set()
+        if self.reward_model is not None and self.reward_model.path is not None:
+            on.add("reward_model")
+        if self.trainer.kl_coef > 0:
+            on.add("reference")
+        if self.trainer.advantage == "gae":
+            on.add("critic")
+        if self.imagination is not None and self.imagination.episodes_per_real > 0:
+            on.add("imagination")
+        return on
 
     @model_validator(mode="after")
-    def _embodied_defaults(self) -> Config:
+    def _check(self, info: ValidationInfo) -> Config:
         # One trainer section serves both workloads; only its loss default differs.
         if self.workload == "embodied" and "loss" not in self.trainer.model_fields_set:
             self.trainer.loss = "gipo"
-        if self.env.image_size % self.vla.patch_size:
-            raise ValueError(
-                f"env.image_size={self.env.image_size} must be a multiple of "
-                f"vla.patch_size={self.vla.patch_size}"
-            )
-        # The observation U-Net halves the frame `levels` times, the reward model twice.
-        multiple = max(2**self.world_model.levels, 4)
-        if self.workload == "embodied" and self.env.image_size % multiple:
-            raise ValueError(
-                f"env.image_size={self.env.image_size} must be a multiple of {multiple} for the "
-                f"world model (2**world_model.levels={2**self.world_model.levels}, and 4)"
-            )
-        for key in NOT_FOR[self.workload]:
-            section, _, name = key.partition(".")
-            given = getattr(self, section).model_fields_set if name else self.model_fields_set
-            if (name or section) in given:
-                other = next(w for w in NOT_FOR if w != self.workload)
-                raise ValueError(
-                    f"{key}: does not apply to workload={self.workload!r} (only "
-                    f"workload={other!r} reads it); remove it or set workload={other}"
-                )
-        if self.imagination.episodes_per_real and self.mode != "async":
-            raise ValueError(
-                f"imagination.episodes_per_real={self.imagination.episodes_per_real} needs "
-                f"mode=async (got mode={self.mode}): workers imagine in their own loops"
-            )
-        lag = self.inference.min_lag
-        if self.max_staleness < lag:
-            raise ValueError(
-                f"max_staleness={self.max_staleness} must be >= inference.min_lag={lag}: the "
-                "trainer would drop every segment the forced lag makes"
-            )
-        if lag and self.sync.in_place:
-            raise ValueError(
-                f"inference.min_lag={lag} publishes held copies of older weights, but "
-                "sync.in_place=true sends the live parameters; set sync.in_place=false"
-            )
-        lag = self.generator.min_lag
-        if self.max_staleness < lag:
-            raise ValueError(
-                f"max_staleness={self.max_staleness} must be >= generator.min_lag={lag}: the "
-                "trainer would drop every batch the forced lag makes"
-            )
-        if self.mode == "async" and self.channels.capacity < lag:
-            raise ValueError(
-                f"channels.capacity={self.channels.capacity} must be >= generator.min_lag={lag} "
-                "in async mode: a batch waits in the channels until min_lag younger ones started"
-            )
-        tc = self.trainer
-        if tc.value_recompute == "fused":
-            needs = {"epochs": 1, "minibatch_order": "sequential", "adv_norm": "lagged_welford"}
-            wrong = {k: v for k, v in needs.items() if getattr(tc, k) != v}
-            if wrong:
-                raise ValueError(
-                    "trainer.value_recompute=fused computes each micro-batch's advantages in its "
-                    "own training forward pass, so it needs "
-                    + ", ".join(f"trainer.{k}={v}" for k, v in needs.items())
-                    + "; got "
-                    + ", ".join(f"trainer.{k}={getattr(tc, k)}" for k in wrong)
-                )
-        if tc.proximal == "current" and tc.value_recompute != "pass":
-            raise ValueError(
-                f"trainer.proximal=current takes the old policy's log-probs from the value pass, "
-                f"so it needs trainer.value_recompute=pass; got {tc.value_recompute}"
-            )
-        if tc.advantage == "gae" and tc.kl_coef > 0 and tc.kl_in == "reward":
-            raise ValueError(
-                "trainer.advantage=gae with trainer.kl_in=reward is not supported: the critic "
-                "computes GAE from the rewards before the trainer's KL shaping; use "
-                "trainer.kl_in=loss"
-            )
-        if self.mode == "sync" and self.rollout.envs_per_worker > 1:
-            raise ValueError(
-                f"rollout.envs_per_worker={self.rollout.envs_per_worker} needs mode=async: the "
-                "lockstep loop steps one env per worker; use rollout.workers instead"
-            )
-        if self.generator.precision == "int8" and self.sync.precision not in (None, "int8"):
-            raise ValueError(
-                f"generator.precision=int8 computes with the int8 weights the receiver stores, "
-                f"but sync.precision={self.sync.precision} stores them otherwise; set "
-                "sync.precision to int8 or null (null: int8, as generator.precision says)"
-            )
-        if self.sync.in_place and self.trainer.ranks > 1:
-            raise ValueError(
-                f"sync.in_place=true with trainer.ranks={self.trainer.ranks}: FSDP2 owns the "
-                "memory of sharded parameters, so they cannot be bound into the send buffer; "
-                "use sync.in_place=false or trainer.ranks=1"
-            )
+        _workload_reads_every_section(self)
+        wanted = {"world_model"} if (info.context or {}).get("world_model") else set()
+        _place_features(self, wanted)
+        for rule in RULES:
+            rule(self)
         return self
+
+
+def _workload_reads_every_section(cfg: Config) -> None:
+    """Options only the other workload reads are refused (``NOT_FOR``)."""
+    for key in NOT_FOR[cfg.workload]:
+        section, _, name = key.partition(".")
+        if name:
+            given = getattr(cfg, section).model_fields_set
+        else:
+            given = cfg.model_fields_set if getattr(cfg, section) is not None else set()
+        if (name or section) in given:
+            other = next(w for w in NOT_FOR if w != cfg.workload)
+            raise ValueError(
+                f"{key}: does not apply to workload={cfg.workload!r} (only "
+                f"workload={other!r} reads it); remove it or set workload={other}"
+            )
+
+
+def _place_features(cfg: Config, wanted: set[str]) -> None:
+    """Each optional section is its defaults while its feature is on and None while it is off;
+    an option set while it is off is refused, naming what turns it on. ``wanted``: sections the
+    caller reads whatever the run places (the world model of the relayrl wm commands)."""
+    on = cfg.features()
+    if cfg.workload == "embodied" and ("imagination" in on or "world_model" in wanted):
+        on.add("world_model")
+    annotations = {name: Config.model_fields[name].annotation for name in FEATURES}
+    for name in FEATURES:
+        section = getattr(cfg, name)
+        if name in on:
+            if section is None:
+                # Not an assignment: that would validate the whole Config again.
+                cfg.__dict__[name] = get_args(annotations[name])[0]()
+            continue
+        if section is None:
+            continue
+        given = [f for f in type(section).model_fields if f in section.model_fields_set]
+        given = [f for f in given if f != SWITCHES.get(name)]
+        if given:
+            value = getattr(section, given[0])
+            raise ValueError(f"{name}.{given[0]} = {value!r}: {FEATURES[name]}")
+        cfg.__dict__[name] = None
+
+
+def _loss_options_belong_to_the_loss(cfg: Config) -> None:
+    """A loss's options (``LOSS_OPTIONS``) are refused with any other loss."""
+    from relayrl.algorithms.losses import LOSS_OPTIONS
+
+    tc = cfg.trainer
+    owners: dict[str, list[str]] = {}
+    for loss, options in LOSS_OPTIONS.items():
+        for field in options.values():
+            owners.setdefault(field, []).append(loss)
+    mine = set(LOSS_OPTIONS.get(tc.loss, {}).values())
+    for field in TrainerConfig.model_fields:
+        if field in owners and field not in mine and field in tc.model_fields_set:
+            losses = owners[field]
+            raise ValueError(
+                f"trainer.{field} = {getattr(tc, field)!r}: an option of loss "
+                f"{' and '.join(losses)}, not of trainer.loss={tc.loss}; remove it or set "
+                f"trainer.loss={losses[0]}"
+            )
+
+
+def _patch_divides_the_image(cfg: Config) -> None:
+    """The VLA cuts each frame into whole patches."""
+    if cfg.workload == "embodied" and cfg.env.image_size % cfg.vla.patch_size:
+        raise ValueError(
+            f"env.image_size={cfg.env.image_size} must be a multiple of "
+            f"vla.patch_size={cfg.vla.patch_size}"
+        )
+
+
+def _world_model_fits_the_image(cfg: Config) -> None:
+    """The observation U-Net halves the frame ``levels`` times, the reward model twice."""
+    if cfg.world_model is None:
+        return
+    multiple = max(2**cfg.world_model.levels, 4)
+    if cfg.env.image_size % multiple:
+        raise ValueError(
+            f"env.image_size={cfg.env.image_size} must be a multiple of {multiple} for the "
+            f"world model (2**world_model.levels={2**cfg.world_model.levels}, and 4)"
+        )
+
+
+def _imagination_needs_async(cfg: Config) -> None:
+    """Workers imagine in their own loops, which only async mode runs."""
+    if cfg.imagination is not None and cfg.mode != "async":
+        raise ValueError(
+            f"imagination.episodes_per_real={cfg.imagination.episodes_per_real} needs "
+            f"mode=async (got mode={cfg.mode}): workers imagine in their own loops"
+        )
+
+
+def _real_share(cfg: Config) -> int:
+    """Env steps of each super-batch taken from the real replay buffer."""
+    steps = cfg.replay.batch_steps
+    return steps if cfg.imagination is None else round(cfg.imagination.real_ratio * steps)
+
+
+def _waiting_workers_have_a_reader(cfg: Config) -> None:
+    """Workers that wait at replay.wait_at wait for the trainer's next read of the real buffer."""
+    if cfg.imagination is not None and cfg.replay.wait_at is not None and not _real_share(cfg):
+        raise ValueError(
+            f"replay.wait_at={cfg.replay.wait_at} with imagination.real_ratio="
+            f"{cfg.imagination.real_ratio}: the trainer takes no real env steps "
+            f"(round(real_ratio * replay.batch_steps) = 0), so workers would wait for it "
+            "forever; set replay.wait_at=null or imagination.real_ratio > 0"
+        )
+
+
+def _imagined_share_fits_its_buffer(cfg: Config) -> None:
+    """A fetch takes the imagined share of a super-batch from B_img at once."""
+    if cfg.imagination is None:
+        return
+    imagined = cfg.replay.batch_steps - _real_share(cfg)
+    if imagined > cfg.imagination.buffer_steps:
+        raise ValueError(
+            f"imagination.buffer_steps={cfg.imagination.buffer_steps} must be >= the imagined "
+            f"share of a super-batch, (1 - imagination.real_ratio) * replay.batch_steps = "
+            f"{imagined}; raise imagination.buffer_steps or imagination.real_ratio, or lower "
+            "replay.batch_steps"
+        )
+
+
+def _inference_lag_within_staleness(cfg: Config) -> None:
+    """A forced inference lag beyond max_staleness would drop every segment."""
+    lag = cfg.inference.min_lag
+    if cfg.max_staleness < lag:
+        raise ValueError(
+            f"max_staleness={cfg.max_staleness} must be >= inference.min_lag={lag}: the "
+            "trainer would drop every segment the forced lag makes"
+        )
+
+
+def _inference_lag_needs_held_copies(cfg: Config) -> None:
+    """A forced inference lag publishes copies, which in-place sync does not have."""
+    lag = cfg.inference.min_lag
+    if lag and cfg.sync.in_place:
+        raise ValueError(
+            f"inference.min_lag={lag} publishes held copies of older weights, but "
+            "sync.in_place=true sends the live parameters; set sync.in_place=false"
+        )
+
+
+def _generator_lag_within_staleness(cfg: Config) -> None:
+    """A forced generator lag beyond max_staleness would drop every batch."""
+    lag = cfg.generator.min_lag
+    if cfg.max_staleness < lag:
+        raise ValueError(
+            f"max_staleness={cfg.max_staleness} must be >= generator.min_lag={lag}: the "
+            "trainer would drop every batch the forced lag makes"
+        )
+
+
+def _generator_lag_fits_the_channels(cfg: Config) -> None:
+    """In async mode the lagged batches wait in the channels."""
+    lag = cfg.generator.min_lag
+    if cfg.mode == "async" and cfg.channels.capacity < lag:
+        raise ValueError(
+            f"channels.capacity={cfg.channels.capacity} must be >= generator.min_lag={lag} "
+            "in async mode: a batch waits in the channels until min_lag younger ones started"
+        )
+
+
+def _fused_recompute_settings(cfg: Config) -> None:
+    """Fused recompute computes advantages inside each micro-batch's training pass."""
+    tc = cfg.trainer
+    if tc.value_recompute != "fused":
+        return
+    needs = {"epochs": 1, "minibatch_order": "sequential", "adv_norm": "lagged_welford"}
+    wrong = {k: v for k, v in needs.items() if getattr(tc, k) != v}
+    if wrong:
+        raise ValueError(
+            "trainer.value_recompute=fused computes each micro-batch's advantages in its "
+            "own training forward pass, so it needs "
+            + ", ".join(f"trainer.{k}={v}" for k, v in needs.items())
+            + "; got "
+            + ", ".join(f"trainer.{k}={getattr(tc, k)}" for k in wrong)
+        )
+
+
+def _current_proximal_needs_the_value_pass(cfg: Config) -> None:
+    """proximal=current takes the old policy's log-probs from the value pass."""
+    tc = cfg.trainer
+    if tc.proximal == "current" and tc.value_recompute != "pass":
+        raise ValueError(
+            f"trainer.proximal=current takes the old policy's log-probs from the value pass, "
+            f"so it needs trainer.value_recompute=pass; got {tc.value_recompute}"
+        )
+
+
+def _gae_takes_the_kl_in_the_loss(cfg: Config) -> None:
+    """The critic computes GAE before the trainer's KL shaping of the rewards."""
+    tc = cfg.trainer
+    if tc.advantage == "gae" and tc.kl_coef > 0 and tc.kl_in == "reward":
+        raise ValueError(
+            "trainer.advantage=gae with trainer.kl_in=reward is not supported: the critic "
+            "computes GAE from the rewards before the trainer's KL shaping; use "
+            "trainer.kl_in=loss"
+        )
+
+
+def _several_envs_need_async(cfg: Config) -> None:
+    """The lockstep loop of sync mode steps one env per worker."""
+    if cfg.mode == "sync" and cfg.rollout.envs_per_worker > 1:
+        raise ValueError(
+            f"rollout.envs_per_worker={cfg.rollout.envs_per_worker} needs mode=async: the "
+            "lockstep loop steps one env per worker; use rollout.workers instead"
+        )
+
+
+def _int8_generator_needs_int8_storage(cfg: Config) -> None:
+    """The int8 generator computes with the int8 weights its receiver stores."""
+    if cfg.generator.precision == "int8" and cfg.sync.precision not in (None, "int8"):
+        raise ValueError(
+            f"generator.precision=int8 computes with the int8 weights the receiver stores, "
+            f"but sync.precision={cfg.sync.precision} stores them otherwise; set "
+            "sync.precision to int8 or null (null: int8, as generator.precision says)"
+        )
+
+
+def _in_place_sync_needs_one_rank(cfg: Config) -> None:
+    """FSDP2 owns sharded parameters' memory, which in-place sync would bind."""
+    if cfg.sync.in_place and cfg.trainer.ranks > 1:
+        raise ValueError(
+            f"sync.in_place=true with trainer.ranks={cfg.trainer.ranks}: FSDP2 owns the "
+            "memory of sharded parameters, so they cannot be bound into the send buffer; "
+            "use sync.in_place=false or trainer.ranks=1"
+        )
+
+
+# The checks across sections, in the order they run after the sections are placed; each raises
+# one line naming its fields and what would make them valid.
+RULES = (
+    _loss_options_belong_to_the_loss,
+    _patch_divides_the_image,
+    _world_model_fits_the_image,
+    _imagination_needs_async,
+    _waiting_workers_have_a_reader,
+    _imagined_share_fits_its_buffer,
+    _inference_lag_within_staleness,
+    _inference_lag_needs_held_copies,
+    _generator_lag_within_staleness,
+    _generator_lag_fits_the_channels,
+    _fused_recompute_settings,
+    _current_proximal_needs_the_value_pass,
+    _gae_takes_the_kl_in_the_loss,
+    _several_envs_need_async,
+    _int8_generator_needs_int8_storage,
+    _in_place_sync_needs_one_rank,
+)
 
 
 def load_config(
     path: str | Path | None,
     overrides: list[str] | tuple[str, ...] = (),
     presets: Sequence[str | Path] = (),
+    *,
+    world_model: bool = False,
 ) -> Config:
     """Load a YAML config, merge ``presets`` (YAML files of the same shape) over it in order, apply
-    ``a.b=c`` overrides and validate; raise ConfigError on problems."""
+    ``a.b=c`` overrides and validate; raise ConfigError on problems. ``world_model``: the caller
+    reads the world_model section whether or not the run imagines (the relayrl wm commands)."""
     tree: dict[str, Any] = _read_yaml(path, "config file") if path is not None else {}
     layers = [_read_yaml(preset, "preset") for preset in presets]
     for item in overrides:
@@ -1214,7 +1430,7 @@ def load_config(
     except OmegaConfBaseException as err:
         raise ConfigError(str(err).splitlines()[0]) from None
     try:
-        return Config.model_validate(tree)
+        return Config.model_validate(tree, context={"world_model": world_model})
     except ValidationError as err:
         raise ConfigError(_describe(err)) from None
 
@@ -1268,13 +1484,21 @@ def _describe(err: ValidationError) -> str:
 def _fields_at(loc: tuple) -> list[str]:
     model: type[BaseModel] = Config
     for part in loc:
-        annotation = model.model_fields[str(part)].annotation
-        model = annotation  # sections are plain BaseModel subclasses
+        model = _section_model(model.model_fields[str(part)].annotation)
     return list(model.model_fields)
 
 
+def _section_model(annotation: Any) -> Any:
+    """The model of a section's annotation (``X`` of an optional ``X | None``); else itself."""
+    models = [a for a in get_args(annotation) if isinstance(a, type) and issubclass(a, BaseModel)]
+    return models[0] if models else annotation
+
+
 def save_config(config: Config, path: Path) -> None:
-    """Write the resolved config as YAML, without what its workload does not read."""
+    """Write the resolved config as YAML, without what its run does not read: the other
+    workload's options, the sections of features that are off, the other losses' options."""
+    from relayrl.algorithms.losses import LOSS_OPTIONS
+
     exclude: dict[str, Any] = {}
     for key in NOT_FOR[config.workload]:
         section, _, name = key.partition(".")
@@ -1282,6 +1506,10 @@ def save_config(config: Config, path: Path) -> None:
             exclude.setdefault(section, set()).add(name)
         else:
             exclude[section] = True
+    exclude |= {name: True for name in FEATURES if getattr(config, name) is None}
+    mine = set(LOSS_OPTIONS.get(config.trainer.loss, {}).values())
+    others = {f for options in LOSS_OPTIONS.values() for f in options.values()} - mine
+    exclude.setdefault("trainer", set()).update(others)
     tree = config.model_dump(mode="json", exclude=exclude)
     path.write_text(yaml.safe_dump(tree, sort_keys=False))
 
@@ -1293,8 +1521,10 @@ def reference_markdown() -> str:
     def walk(model: type[BaseModel], prefix: str) -> None:
         for name, field in model.model_fields.items():
             key = f"{prefix}{name}"
-            annotation = field.annotation
+            annotation = _section_model(field.annotation)
             if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+                if annotation is not field.annotation:  # an optional section: when it is there
+                    lines.append(f"| `{key}` | section or null | `null` | {field.description} |")
                 walk(annotation, key + ".")
                 continue
             default = json.dumps(field.get_default(call_default_factory=True))

@@ -76,6 +76,7 @@ def trainer_args(*overrides: str) -> tuple:
             "world_model.batch_size=16",
             *overrides,
         ],
+        world_model=True,
     )
     obs = ObsModelConfig(
         backend="deterministic",

@@ -349,7 +349,7 @@ class BlendContext(ObservationModel):
 def test_a_third_backend_is_one_class_and_a_registry_entry(monkeypatch, tmp_path):
     monkeypatch.setitem(OBS_BACKENDS, "blend", BlendContext)
     overrides = ["world_model.backend=blend", "env.image_size=16", "world_model.context_frames=2"]
-    cfg = load_config(None, ["workload=embodied", *overrides])
+    cfg = load_config(None, ["workload=embodied", *overrides], world_model=True)
     obs_cfg, _ = world_model_configs(cfg, views=1, dims=1, vocab=len(MOVES))
     model = build_obs_model(obs_cfg)
     test = moving_square(64, torch.Generator().manual_seed(1))

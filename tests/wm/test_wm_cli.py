@@ -97,7 +97,7 @@ def test_pretrain_saves_both_models_where_world_model_path_loads_them(root):
     for part in ("observation", "reward"):
         assert (root / "wm" / part / "model.safetensors").is_file()
         assert (root / "wm" / part / "config.json").is_file()
-    cfg = load_config(CONFIG, [*TINY, f"world_model.path={root}/wm"])
+    cfg = load_config(CONFIG, [*TINY, f"world_model.path={root}/wm"], world_model=True)
     obs, reward = load_world_model(cfg.world_model.path)
     assert obs.cfg.backend == "deterministic" and obs.cfg.context_frames == 2
     assert reward.cfg.image_size == 28

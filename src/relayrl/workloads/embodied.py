@@ -193,7 +193,7 @@ class EmbodiedWorkload:
     @property
     def imagining(self) -> bool:
         """Whether the run imagines (``imagination.episodes_per_real > 0``)."""
-        return self.cfg.imagination.episodes_per_real > 0
+        return self.cfg.imagination is not None
 
     def _place_world_model(self, views: int, dims: int, vocab: int) -> None:
         """The world-model trainer, its service replicas and ``B_img``; every rollout worker gets
