@@ -273,3 +273,35 @@ def test_the_rules_accept_the_nearest_valid_combinations():
     ]
     for overrides in ok:
         assert isinstance(load_config(None, overrides), Config), overrides
+
+
+SHIPPED = sorted((REPO / "configs").glob("*.yaml"))
+PRESETS = sorted((REPO / "configs" / "presets").glob("*.yaml"))
+
+
+def set_keys(tree: dict, prefix: str = "") -> list[str]:
+    """The dotted keys a YAML mapping sets."""
+    keys = []
+    for key, value in tree.items():
+        keys += set_keys(value, f"{prefix}{key}.") if isinstance(value, dict) else [prefix + key]
+    return keys
+
+
+@pytest.mark.parametrize(
+    ("path", "preset"),
+    [(p, None) for p in SHIPPED] + [(BABYAI, p) for p in PRESETS],
+    ids=[p.name for p in SHIPPED] + [f"babyai+{p.name}" for p in PRESETS],
+)
+def test_every_option_a_shipped_config_sets_belongs_to_something_present(path, preset):
+    from relayrl.algorithms.losses import LOSS_OPTIONS
+    from relayrl.config import NOT_FOR
+
+    cfg = load_config(path, [], [preset] if preset else [])
+    tree = yaml.safe_load((preset or path).read_text())
+    loss_options = {f for options in LOSS_OPTIONS.values() for f in options.values()}
+    for key in set_keys(tree):
+        section, _, name = key.partition(".")
+        assert getattr(cfg, section) is not None, key  # a feature that is on
+        assert section not in NOT_FOR[cfg.workload] and key not in NOT_FOR[cfg.workload], key
+        if section == "trainer" and name in loss_options:
+            assert name in LOSS_OPTIONS[cfg.trainer.loss].values(), key
