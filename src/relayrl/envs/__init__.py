@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-from relayrl.config import TaskConfig
+from typing import TYPE_CHECKING
+
 from relayrl.envs.arithmetic import AdditionTask
 from relayrl.envs.dataset import DatasetTask, load_dataset_task
+
+if TYPE_CHECKING:
+    from relayrl.config import TaskConfig
 
 
 def build_task(tc: TaskConfig) -> AdditionTask | DatasetTask:

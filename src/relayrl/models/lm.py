@@ -12,10 +12,10 @@ import torch
 from torch import Tensor
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from relayrl.config import Config, ModelConfig
-
 if TYPE_CHECKING:
     from transformers import GenerationConfig, PreTrainedModel
+
+    from relayrl.config import Config, ModelConfig
 
 
 def builtin_tokenizer_dir(name: str = "char") -> Path:

@@ -42,12 +42,16 @@ import re
 import zlib
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from relayrl.models.value_heads import AcceValueHead, ActionAwareValueHead
+
+if TYPE_CHECKING:
+    from relayrl.config import VLAModelConfig
 
 PAD_ID = 0
 # Built-in words get fixed ids 1..len(WORDS); every other word is hashed into the ids after them.
@@ -150,6 +154,20 @@ class VLAConfig:
     def instruction_vocab(self) -> int:
         """Instruction ids: padding, the built-in words and the hash buckets."""
         return instruction_vocab(self.hash_buckets)
+
+
+def vla_config(
+    section: VLAModelConfig, *, image_size: int, views: int, dims: int, vocab: int
+) -> VLAConfig:
+    """The VLA policy's sizes: a run's ``vla`` section plus what the env decides (image size,
+    views, action tokens)."""
+    return VLAConfig(
+        image_size=image_size,
+        views=views,
+        action_dims=dims,
+        action_vocab=vocab,
+        **section.model_dump(exclude={"path"}),
+    )
 
 
 class VLAPolicy(nn.Module):

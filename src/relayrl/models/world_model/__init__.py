@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
@@ -36,6 +37,9 @@ from relayrl.models.world_model.imagine import (
 from relayrl.models.world_model.reward_model import SuccessLabels, SuccessModel, SuccessModelConfig
 from relayrl.models.world_model.rewards import imagined_reward, imagined_termination
 
+if TYPE_CHECKING:
+    from relayrl.config import WorldModelConfig
+
 OBS_BACKENDS: dict[str, type[ObservationModel]] = {
     "deterministic": DeterministicObsModel,
     "diffusion": DiffusionObsModel,
@@ -49,6 +53,35 @@ def build_obs_model(cfg: ObsModelConfig) -> ObservationModel:
             f"unknown observation backend {cfg.backend!r}; allowed: {', '.join(OBS_BACKENDS)}"
         )
     return OBS_BACKENDS[cfg.backend](cfg)
+
+
+def world_model_configs(
+    section: WorldModelConfig,
+    *,
+    image_size: int,
+    instruction_tokens: int,
+    views: int,
+    dims: int,
+    vocab: int,
+) -> tuple[ObsModelConfig, SuccessModelConfig]:
+    """The world model's sizes: a run's ``world_model`` section plus what the env decides (image
+    size, views, action tokens) and the policy's instruction length, so both models read what the
+    policy reads."""
+    shared = {
+        k: v for k, v in section.model_dump().items() if k in ObsModelConfig.__dataclass_fields__
+    }
+    obs = ObsModelConfig(
+        image_size=image_size, views=views, action_dims=dims, action_vocab=vocab, **shared
+    )
+    reward = SuccessModelConfig(
+        image_size=image_size,
+        views=views,
+        channels=section.channels,
+        hidden=section.reward_hidden,
+        instruction_tokens=instruction_tokens,
+        failure_head=section.failure_head,
+    )
+    return obs, reward
 
 
 def save_pretrained(
@@ -135,4 +168,5 @@ __all__ = [
     "save_pretrained",
     "saved_version",
     "start_context",
+    "world_model_configs",
 ]
