@@ -305,3 +305,14 @@ def test_every_option_a_shipped_config_sets_belongs_to_something_present(path, p
         assert section not in NOT_FOR[cfg.workload] and key not in NOT_FOR[cfg.workload], key
         if section == "trainer" and name in loss_options:
             assert name in LOSS_OPTIONS[cfg.trainer.loss].values(), key
+
+
+def test_a_presets_loss_options_apply_only_with_its_loss():
+    acce = REPO / "configs" / "presets" / "acce.yaml"
+    cfg = load_config(BABYAI, [], [acce])
+    assert cfg.trainer.loss == "gipo" and cfg.trainer.gipo_sigma == 0.2
+    cfg = load_config(BABYAI, ["trainer.loss=ppo_clip"], [acce])  # the loss the override chose
+    assert cfg.trainer.loss == "ppo_clip" and cfg.trainer.value_recompute == "fused"
+    assert "gipo_sigma" not in cfg.trainer.model_fields_set
+    message = refusal(BABYAI, ["trainer.loss=ppo_clip", "trainer.gipo_sigma=0.3"], presets=[acce])
+    assert message.startswith("trainer.gipo_sigma = 0.3: an option of loss gipo")

@@ -237,18 +237,37 @@ class GeneratorConfig(_Section):
 class RewarderConfig(_Section):
     """Rule-based scoring of completions."""
 
-    scorer: Literal["exact_answer", "math"] = Field(
+    scorer: str = Field(
         "exact_answer",
         description="exact_answer: the stripped completion equals the reference; math: answer "
-        "extraction and equivalence (relayrl.rewards.math) in a sandboxed process pool.",
+        "extraction and equivalence (relayrl.rewards.math); or 'module:function', a rule of your "
+        "own, (completion, reference) -> float. math and rules run in a sandboxed process pool.",
     )
-    workers: int = Field(2, ge=1, description="math: scoring worker processes.")
-    timeout_s: float = Field(5.0, gt=0, description="math: per-item wall-clock limit; scores 0.")
-    memory_mb: int = Field(1024, ge=64, description="math: address-space limit of each worker.")
+    workers: int = Field(2, ge=1, description="math or a rule: scoring worker processes.")
+    timeout_s: float = Field(
+        5.0, gt=0, description="math or a rule: per-item wall-clock limit; scores 0."
+    )
+    memory_mb: int = Field(
+        1024, ge=64, description="math or a rule: address-space limit of each worker."
+    )
     replicas: int = Field(
         1, ge=1, description="Rewarder replicas; in async mode each runs its own scoring loop."
     )
     resources: dict[str, float] = _resources("rewarder")
+
+    @field_validator("scorer")
+    @classmethod
+    def _scorer_known(cls, value: str) -> str:
+        if value in ("exact_answer", "math"):
+            return value
+        from relayrl.rewards.sandbox import check_scorer
+
+        try:
+            check_scorer(value)
+        except ValueError as error:
+            reason = str(error).removeprefix(f"scorer {value!r}: ")
+            raise ValueError(f"{reason} (the built-in scorers: exact_answer, math)") from None
+        return value
 
 
 class RewardModelConfig(_Section):
@@ -1420,19 +1439,47 @@ def load_config(
             raise ConfigError(
                 f"{key} = {value!r}: not a valid YAML value; quote it, e.g. {key}='{value}'"
             ) from None
+    merged = _merge(tree, layers, overrides)
+    # A preset's loss options apply with its loss: a later trainer.loss leaves them out.
+    layers = [_for_loss(layer, _final_loss(merged)) for layer in layers]
+    merged = _merge(tree, layers, overrides)
+    try:
+        return Config.model_validate(merged, context={"world_model": world_model})
+    except ValidationError as err:
+        raise ConfigError(_describe(err)) from None
+
+
+def _merge(tree: dict[str, Any], layers: list[dict], overrides: Sequence[str]) -> dict[str, Any]:
+    """The config file, the presets over it in order, then the overrides, as one mapping."""
     try:
         merged = OmegaConf.merge(
             OmegaConf.create(tree),
             *(OmegaConf.create(layer) for layer in layers),
             OmegaConf.from_dotlist(list(overrides)),
         )
-        tree = OmegaConf.to_container(merged, resolve=True)
+        return OmegaConf.to_container(merged, resolve=True)
     except OmegaConfBaseException as err:
         raise ConfigError(str(err).splitlines()[0]) from None
-    try:
-        return Config.model_validate(tree, context={"world_model": world_model})
-    except ValidationError as err:
-        raise ConfigError(_describe(err)) from None
+
+
+def _final_loss(tree: dict[str, Any]) -> Any:
+    """The loss a merged mapping chooses, given or the workload's default."""
+    trainer = tree.get("trainer")
+    if isinstance(trainer, dict) and "loss" in trainer:
+        return trainer["loss"]
+    return "gipo" if tree.get("workload") == "embodied" else TrainerConfig().loss
+
+
+def _for_loss(layer: dict[str, Any], loss: Any) -> dict[str, Any]:
+    """A preset without the options of losses other than ``loss``."""
+    from relayrl.algorithms.losses import LOSS_OPTIONS
+
+    trainer = layer.get("trainer")
+    if not isinstance(trainer, dict):
+        return layer
+    mine = set(LOSS_OPTIONS.get(loss, {}).values()) if isinstance(loss, str) else set()
+    others = {f for options in LOSS_OPTIONS.values() for f in options.values()} - mine
+    return layer | {"trainer": {k: v for k, v in trainer.items() if k not in others}}
 
 
 def _read_yaml(path: str | Path, kind: str) -> dict[str, Any]:
