@@ -90,7 +90,7 @@ from relayrl import parallel
 from relayrl.checkpoint import Checkpointer
 from relayrl.config import Config, load_config
 from relayrl.controller import run_async
-from relayrl.executors.trainer_core import TrainerCore
+from relayrl.executors.trainer_core import PolicyCore
 from relayrl.launch import (
     Group,
     Placement,
@@ -159,9 +159,9 @@ class RowShardedSide(TrainerSide):
         return tensors, rows
 
 
-class SimTrainer(TrainerCore):
+class SimTrainer(PolicyCore):
     """A trainer rank whose step costs ``step_s / world`` seconds of sleep; weight sync, version,
-    counters and tracing are the real ``TrainerCore``'s, over a tiny model."""
+    counters and tracing are the real ``PolicyCore``'s, over a tiny model."""
 
     def __init__(self, cfg: Config, rank: int, world: int, step_s: float):
         torch.set_num_threads(1)

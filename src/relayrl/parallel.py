@@ -19,6 +19,7 @@ carries zero weight.
 from __future__ import annotations
 
 import socket
+from typing import Any
 
 import ray
 import torch
@@ -101,6 +102,16 @@ def sum_gradients(params: list[nn.Parameter]) -> None:
     for p in live:
         p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
         offset += p.numel()
+
+
+def broadcast_object(value: Any, src: int = 0) -> Any:
+    """Rank ``src``'s ``value`` (any picklable object) on every rank; a collective when a process
+    group exists, ``value`` as given otherwise."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
 
 
 def share(count: int, rank: int, world: int) -> slice:

@@ -176,13 +176,14 @@ def test_state_dict_round_trip():
 
 def test_cosine_schedule_decays_from_lr_to_the_final_ratio():
     trainer = Trainer(tiny_config("steps=10", "trainer.lr_final_ratio=0.1"))
+    factor = trainer.gradient_step.lr_factor
     # 0.1 + 0.9 * (1 + cos(pi * progress)) / 2: 1.0 at the start, 0.55 halfway, 0.1 at the end
-    assert trainer._lr_factor(0) == 1.0
-    assert abs(trainer._lr_factor(5) - 0.55) < 1e-12
-    assert abs(trainer._lr_factor(10) - 0.1) < 1e-12
-    assert abs(trainer._lr_factor(20) - 0.1) < 1e-12
+    assert factor(0) == 1.0
+    assert abs(factor(5) - 0.55) < 1e-12
+    assert abs(factor(10) - 0.1) < 1e-12
+    assert abs(factor(20) - 0.1) < 1e-12
     constant = Trainer(tiny_config("trainer.lr_schedule=constant"))
-    assert constant._lr_factor(7) == 1.0
+    assert constant.gradient_step.lr_factor(7) == 1.0
 
 
 def test_ess_lr_scale_is_the_square_root_of_the_sequence_weights_normalised_ess():

@@ -13,7 +13,9 @@ its own AdamW. For each batch it
 3. normalises the advantages over the batch's completion tokens and puts them in
    ``token_advantages`` (aligned with ``tokens``), which the trainer uses instead of group
    advantages;
-4. then takes ``critic.epochs`` passes of value regression (MSE to the GAE returns) on the batch.
+4. then takes ``critic.epochs`` passes of value regression (MSE to the GAE returns) on the batch,
+   each one ``trainer_core.GradientStep`` (gradient norm clipped to 1; a nan or inf loss or norm
+   takes no step and is counted in ``skipped_nonfinite``).
 
 So the advantages of a batch come from the values before the critic learned from it. A replaced
 critic starts again from ``start_policy/`` with a fresh head; a resumed run restores its weights
@@ -22,6 +24,7 @@ and optimizer from the run checkpoint.
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import replace
 
@@ -31,6 +34,7 @@ from transformers import AutoModelForTokenClassification
 
 from relayrl.algorithms.advantages import gae
 from relayrl.config import Config
+from relayrl.executors.trainer_core import GradientStep
 from relayrl.observability.tracing import Span, Tracer
 from relayrl.types import RolloutBatch
 
@@ -45,7 +49,7 @@ class Critic:
         self.cfg = cfg.critic
         self.seed = cfg.run.seed
         self.model: torch.nn.Module | None = None
-        self.optimizer: torch.optim.Optimizer | None = None
+        self.gradient_step: GradientStep | None = None
         self.path: str | None = None
         self.tracer = Tracer(self.name)
         self.scored = 0
@@ -57,7 +61,10 @@ class Critic:
         self.model = AutoModelForTokenClassification.from_pretrained(
             path, num_labels=1, dtype=torch.float32
         )
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.lr)
+        # AdamW's default weight decay; the value head's gradient norm clipped to 1.
+        self.gradient_step = GradientStep(
+            self.model, lr=self.cfg.lr, weight_decay=0.01, grad_clip=1.0
+        )
         self.path = path
 
     def score(self, batch: RolloutBatch) -> tuple[dict[str, float], RolloutBatch]:
@@ -95,6 +102,7 @@ class Critic:
         rows, cols = mask.nonzero(as_tuple=True)
         aligned[rows.numpy(), place[rows, cols].numpy() + 1] = normalised[rows, cols].numpy()
         explained = 1 - (returns[mask] - values[:, :-1][mask]).var() / (returns[mask].var() + 1e-8)
+        skipped = self.gradient_step.skipped_nonfinite
         losses = [self._fit(tokens, lengths, place, mask, returns) for _ in range(self.cfg.epochs)]
         self.scored += len(batch)
         summary = {
@@ -106,6 +114,7 @@ class Critic:
             "busy_s": time.perf_counter() - start,
         }
         logged = {f"critic/{k}": summary[k] for k in ("value_loss", "explained_variance")}
+        logged["critic/skipped_nonfinite"] = float(self.gradient_step.skipped_nonfinite - skipped)
         return summary, replace(
             batch, token_advantages=aligned, stage_metrics=batch.stage_metrics | logged
         )
@@ -131,40 +140,46 @@ class Critic:
         return out.gather(1, place)
 
     def _fit(self, tokens, lengths, place, mask, returns) -> float:
-        """One value-regression step on the batch; its loss."""
+        """One value-regression step on the batch (none if its loss or gradient is not
+        finite); its loss."""
         values = self._values(tokens, lengths, place)[:, :-1]
         loss = (values - returns)[mask].square().mean()
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-        self.optimizer.step()
-        self.updates += 1
+        _, stepped = self.gradient_step.step(loss)
+        self.updates += stepped
         return float(loss.detach())
 
     def stats(self) -> dict[str, float]:
         """Counters for the run summary."""
-        return {"busy_s": self.tracer.busy_s(), "scored": self.scored, "updates": self.updates}
+        skipped = self.gradient_step.skipped_nonfinite if self.gradient_step else 0
+        return {
+            "busy_s": self.tracer.busy_s(),
+            "scored": self.scored,
+            "updates": self.updates,
+            "skipped_nonfinite": skipped,
+        }
 
     def trace(self) -> tuple[list[Span], list[Span]]:
         """Busy spans and waits recorded so far."""
         return self.tracer.spans, self.tracer.waits
 
     def state_dict(self) -> dict:
-        """Weights, optimizer state, where it started, counters."""
-        return {
-            "path": self.path,
-            "model": None
-            if self.model is None
-            else {k: v.clone() for k, v in self.model.state_dict().items()},
-            "optimizer": None if self.optimizer is None else self.optimizer.state_dict(),
-            "scored": self.scored,
-            "updates": self.updates,
-        }
+        """Weights, optimizer state and skip counter, where it started, counters."""
+        return copy.deepcopy(
+            {
+                "path": self.path,
+                "model": None if self.model is None else self.model.state_dict(),
+                "gradient_step": None
+                if self.gradient_step is None
+                else self.gradient_step.state_dict(),
+                "scored": self.scored,
+                "updates": self.updates,
+            }
+        )
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what ``state_dict`` saved."""
         if state["path"] is not None:
             self.load(state["path"])
             self.model.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
+            self.gradient_step.load_state_dict(state["gradient_step"])
         self.scored, self.updates = state["scored"], state["updates"]

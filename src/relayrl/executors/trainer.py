@@ -4,7 +4,7 @@ The trainer owns the policy version. Each ``train_step`` first enforces the stal
 group with any token sampled more than ``max_staleness`` versions ago is dropped and counted, never
 trained on — then computes group advantages and the configured loss against the per-token
 behaviour log-probs recorded by the generator, takes one optimizer step and bumps the version.
-A nan or inf loss or gradient norm skips the optimizer step (see ``TrainerCore.apply_gradients``):
+A nan or inf loss or gradient norm skips the optimizer step (see ``trainer_core.GradientStep``):
 the step reports ``stepped`` false and ``skipped_nonfinite`` 1, and the version stays.
 
 As one rank of a group (``trainer.ranks``, see ``trainer_core``), every rank is given the whole
@@ -34,12 +34,12 @@ from relayrl.algorithms.losses import BATCH_STATISTICS
 from relayrl.config import Config
 from relayrl.envs import build_task
 from relayrl.executors.generator import complete, probe_problems
-from relayrl.executors.trainer_core import TrainerCore
+from relayrl.executors.trainer_core import GradientStep, PolicyCore
 from relayrl.models.lm import autocast, build_policy, load_codec, token_logprobs
 from relayrl.types import RolloutBatch, StepResult
 
 
-class Trainer(TrainerCore):
+class Trainer(PolicyCore):
     """Policy update of a causal LM; a Ray actor in a run, a plain object in tests."""
 
     def __init__(self, cfg: Config, rank: int = 0, world: int = 1):
@@ -65,7 +65,7 @@ class Trainer(TrainerCore):
         start = time.perf_counter()
         if self._warm is None:
             self._warm = self._warm_state()
-        examples, rng, optimizer = self._warm
+        examples, rng, gradient_step = self._warm
         ws = self.cfg.warm_start
         loss = torch.zeros(())
         for _ in range(steps):
@@ -80,13 +80,13 @@ class Trainer(TrainerCore):
                 output.logits[:, :-1].transpose(1, 2), tokens[own, 1:], reduction="none"
             )
             loss = (nll * weights).sum() / targets.sum()
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            self.sync.writable()
-            optimizer.step()
+            gradient_step.step(loss, writable=self.sync.writable)
         elapsed = time.perf_counter() - start
         metrics = parallel.global_metrics({"warm_start/loss": float(loss.detach())}, {})
-        return metrics | {"warm_start/time_s": elapsed}
+        return metrics | {
+            "warm_start/time_s": elapsed,
+            "warm_start/skipped_nonfinite": float(gradient_step.skipped_nonfinite),
+        }
 
     def probe(self) -> RolloutBatch:
         """Greedy completions of the warm start's probe problems by the policy as it trains (its
@@ -122,7 +122,9 @@ class Trainer(TrainerCore):
             return slice(0, 1), True
         return own, False
 
-    def _warm_state(self) -> tuple[list, random.Random, torch.optim.Optimizer]:
+    def _warm_state(self) -> tuple[list, random.Random, GradientStep]:
+        """The warm start's worked examples, their sampler and its own optimizer (no clipping,
+        the non-finite guard of every step)."""
         task = build_task(self.cfg.task)
         rng = random.Random(self.cfg.run.seed + 3)
         eos = self.tokenizer.eos_token_id
@@ -132,12 +134,10 @@ class Trainer(TrainerCore):
             target = self.cfg.task.answer_template.format(answer=problem.answer)
             answer = self.tokenizer(target, add_special_tokens=False)["input_ids"] + [eos]
             examples.append((prompt, answer))
-        optimizer = torch.optim.AdamW(
-            self.model.parameters(),
-            lr=self.cfg.warm_start.lr,
-            weight_decay=self.cfg.trainer.weight_decay,
+        gradient_step = GradientStep(
+            self.model, lr=self.cfg.warm_start.lr, weight_decay=self.cfg.trainer.weight_decay
         )
-        return examples, rng, optimizer
+        return examples, rng, gradient_step
 
     def train_step(self, batch: RolloutBatch) -> StepResult:
         """Drop stale groups, take one optimizer step on the rest, bump the version."""
@@ -257,7 +257,7 @@ class Trainer(TrainerCore):
                 loss = loss + tc.kl_coef * kl_sum / all_tokens
             terms["kl_ref"] = float(kl_sum.detach()) / trainable_tokens
         lr_scale = self.ess_lr_scale(logp, mu, mask)
-        grad_norm, stepped = self.apply_gradients(loss, self.optimizer, lr_scale)
+        grad_norm, stepped = self.apply_gradients(loss, lr_scale)
         if not stepped:
             return metrics, False
         lr = self.scheduler.get_last_lr()[0] * lr_scale  # the rate this step used

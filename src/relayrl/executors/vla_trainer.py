@@ -29,7 +29,7 @@ training forward gives its values, its GAE (from those values, detached) and its
 optimizer step follows; its advantages are standardised with the lagged statistics.
 
 A minibatch whose loss (on any rank) or global gradient norm is nan or inf takes no optimizer step
-(see ``TrainerCore.apply_gradients``) and the pass goes on to the next one: the others still hold
+(see ``trainer_core.GradientStep``) and the pass goes on to the next one: the others still hold
 signal, and skipping the whole step would throw it away for one bad sample. ``StepResult``'s
 ``skipped_nonfinite`` counts the skipped minibatches; the step counts as ``stepped`` and bumps the
 version when at least one minibatch stepped, and its ``loss/*`` metrics are means over those.
@@ -60,7 +60,7 @@ from relayrl import faults, parallel
 from relayrl.algorithms.advantages import gae
 from relayrl.algorithms.normalization import Welford, global_normalize
 from relayrl.config import Config
-from relayrl.executors.trainer_core import TrainerCore
+from relayrl.executors.trainer_core import PolicyCore
 from relayrl.models.vla import VLAConfig, VLAPolicy, load_vla_weights, save_vla_checkpoint
 from relayrl.types import Segment, StepResult
 
@@ -170,7 +170,7 @@ def micro_batches(segments: list[Segment], max_steps: int) -> list[list[Segment]
     return groups
 
 
-class VLATrainer(TrainerCore):
+class VLATrainer(PolicyCore):
     """Actor-critic update of a ``VLAPolicy``; a Ray actor in a run, a plain object in tests."""
 
     name = "trainer"
@@ -391,7 +391,7 @@ class VLATrainer(TrainerCore):
         entropy = entropy.mean()
         loss = policy_loss + self.tc.value_coef * value_loss
         loss = (loss - self.tc.entropy_coef * entropy) * weight
-        grad_norm, stepped = self.apply_gradients(loss, self.optimizer)
+        grad_norm, stepped = self.apply_gradients(loss)
         if not stepped:  # every rank decides alike, so all skip the collective below
             return None
         terms = {"policy": policy_loss, "value": value_loss, "entropy": entropy}
