@@ -89,8 +89,8 @@ from relayrl.envs.embodied import Observation  # noqa: E402
 from relayrl.envs.latency import DELAYS  # noqa: E402
 from relayrl.executors.inference_service import InferenceService  # noqa: E402
 from relayrl.job import train  # noqa: E402
-from relayrl.launch import start_ray, vla_config  # noqa: E402
-from relayrl.models.vla import VLAConfig, VLAPolicy  # noqa: E402
+from relayrl.launch import start_ray  # noqa: E402
+from relayrl.models.vla import VLAConfig, VLAPolicy, vla_config  # noqa: E402
 from relayrl.weight_sync import TRANSPORTS, Ticket  # noqa: E402
 from relayrl.weight_sync.base import TrainerSide  # noqa: E402
 
@@ -401,7 +401,7 @@ def g3(args: argparse.Namespace) -> tuple[dict, list]:
     the JSON)."""
     cfg = load_config(args.config, args.overrides)
     observations = record_observations(cfg)
-    shape = policy_shape(cfg)
+    views, dims, vocab = policy_shape(cfg)
     threads = args.threads or cfg.ray.threads_per_executor
     # Every part of the benchmark is a Ray worker; at Ray's default nice 15 any other process on
     # the machine would take their CPU first.
@@ -410,7 +410,10 @@ def g3(args: argparse.Namespace) -> tuple[dict, list]:
     sizes, raw = [], []
     try:
         for buckets in args.hash_buckets:
-            vla = dataclasses.replace(vla_config(cfg, *shape), hash_buckets=buckets)
+            sized = vla_config(
+                cfg.vla, image_size=cfg.env.image_size, views=views, dims=dims, vocab=vocab
+            )
+            vla = dataclasses.replace(sized, hash_buckets=buckets)
             print(f"[g3] hash_buckets={buckets}", file=sys.stderr)
             swaps, requests = g3_size(args, cfg, vla, observations, threads)
             policy = VLAPolicy(vla)

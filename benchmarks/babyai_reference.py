@@ -41,8 +41,7 @@ from relayrl.config import load_config  # noqa: E402
 from relayrl.envs.babyai import BabyAIEnv  # noqa: E402
 from relayrl.executors.vla_trainer import VLATrainer  # noqa: E402
 from relayrl.executors.worker_side import BLIND_INSTRUCTION  # noqa: E402
-from relayrl.launch import vla_config  # noqa: E402
-from relayrl.models.vla import VLAConfig, VLAPolicy  # noqa: E402
+from relayrl.models.vla import VLAConfig, VLAPolicy, vla_config  # noqa: E402
 from relayrl.types import Segment  # noqa: E402
 
 NAME = "babyai_reference"
@@ -174,7 +173,9 @@ def relayrl_trainer(args: argparse.Namespace) -> VLATrainer:
     overrides = [f"run.seed={args.seed}", "trainer.timeout_terminal=true", *args.trainer_set]
     overrides += [f"env.image_size={args.image_size}", *(f"vla.{item}" for item in args.vla)]
     cfg = load_config(config, overrides)
-    return VLATrainer(cfg, vla_config(cfg, views=2 if args.view == "both" else 1, dims=1, vocab=3))
+    views = 2 if args.view == "both" else 1
+    sizes = vla_config(cfg.vla, image_size=cfg.env.image_size, views=views, dims=1, vocab=3)
+    return VLATrainer(cfg, sizes)
 
 
 def to_segments(

@@ -56,8 +56,8 @@ from relayrl.envs.embodied import Observation  # noqa: E402
 from relayrl.envs.latency import DELAYS  # noqa: E402
 from relayrl.executors.inference_service import InferenceService  # noqa: E402
 from relayrl.executors.worker_side import build_env
-from relayrl.launch import start_ray, vla_config  # noqa: E402
-from relayrl.models.vla import VLAPolicy  # noqa: E402
+from relayrl.launch import start_ray  # noqa: E402
+from relayrl.models.vla import VLAPolicy, vla_config  # noqa: E402
 from relayrl.observability.tracing import busy_seconds  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -94,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     cfg = load_config(args.config, args.overrides)
     observations = record_observations(cfg)
-    vla = vla_config(cfg, *policy_shape(cfg))
+    views, dims, vocab = policy_shape(cfg)
+    vla = vla_config(cfg.vla, image_size=cfg.env.image_size, views=views, dims=dims, vocab=vocab)
     threads = args.threads or cfg.ray.threads_per_executor
     start_ray(cfg)
     points = []

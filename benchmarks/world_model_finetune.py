@@ -43,8 +43,7 @@ from relayrl.data.trajectories import Episode  # noqa: E402
 from relayrl.executors.imagination import ImaginationSettings, Imaginer  # noqa: E402
 from relayrl.executors.worker_side import ENVS  # noqa: E402
 from relayrl.executors.world_model_trainer import WorldModelTrainer  # noqa: E402
-from relayrl.launch import world_model_configs  # noqa: E402
-from relayrl.models.world_model import imagine, start_context  # noqa: E402
+from relayrl.models.world_model import imagine, start_context, world_model_configs  # noqa: E402
 from relayrl.models.world_model.serving import world_model_replies  # noqa: E402
 from relayrl.types import ActReply  # noqa: E402
 from relayrl.wm.collect import play_episode  # noqa: E402
@@ -180,7 +179,12 @@ def main(argv: list[str] | None = None) -> int:
     env.close()
     train, heldout = played[: args.train], played[args.train :]
     obs_cfg, reward_cfg = world_model_configs(
-        cfg, played[0].frames.shape[1], env.action_space.dims, env.action_space.vocab
+        cfg.world_model,
+        image_size=cfg.env.image_size,
+        instruction_tokens=cfg.vla.instruction_tokens,
+        views=played[0].frames.shape[1],
+        dims=env.action_space.dims,
+        vocab=env.action_space.vocab,
     )
     trainer = WorldModelTrainer(cfg, obs_cfg, reward_cfg)
     trainer.add_episodes(train)

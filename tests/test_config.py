@@ -445,7 +445,7 @@ def test_a_preset_by_name_is_found_beside_the_config_and_overrides_come_last():
 
 
 def test_acce_options_reach_the_task_choice_and_the_vla_config():
-    from relayrl.launch import vla_config
+    from relayrl.models.vla import vla_config
     from relayrl.workloads.embodied import TaskChoice
 
     overrides = ["rollout.dwr_formula=acce", "rollout.dwr_alpha=0.5", "vla.value_head=acce"]
@@ -454,7 +454,8 @@ def test_acce_options_reach_the_task_choice_and_the_vla_config():
     choice.record("a", success=False)
     # acce: (1 + 0.5) against the unseen task's 0.5; smoothed would give 1.5/2 against 0.5/1
     assert choice.weights() == pytest.approx([3 / 4, 1 / 4])
-    assert vla_config(cfg, views=1, dims=1, vocab=3).value_head == "acce"
+    sizes = vla_config(cfg.vla, image_size=cfg.env.image_size, views=1, dims=1, vocab=3)
+    assert sizes.value_head == "acce"
     assert load_config(REPO / "configs" / "babyai.yaml").vla.value_head == "action_aware_attention"
 
 

@@ -16,8 +16,7 @@ from relayrl.cli import main
 from relayrl.config import load_config, save_config
 from relayrl.evaluate_embodied import SEED_STRIDE, embodied_run, evaluate_embodied
 from relayrl.executors.worker_side import build_env
-from relayrl.launch import vla_config
-from relayrl.models.vla import VLAPolicy
+from relayrl.models.vla import VLAPolicy, vla_config
 from relayrl.wm.collect import play_episode
 from relayrl.wm.policies import CheckpointPolicy
 
@@ -32,7 +31,10 @@ def make_run(run_dir: Path, overrides: list[str], seed: int = 0) -> Path:
     env = build_env(cfg.env, 0)
     obs, space = env.reset(), env.action_space
     env.close()
-    vla = vla_config(cfg, obs.image.shape[0], space.dims, space.vocab)
+    views, image_size = obs.image.shape[0], cfg.env.image_size
+    vla = vla_config(
+        cfg.vla, image_size=image_size, views=views, dims=space.dims, vocab=space.vocab
+    )
     torch.manual_seed(seed)
     ckpt = run_dir / "checkpoint"
     ckpt.mkdir(parents=True)

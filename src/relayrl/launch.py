@@ -27,8 +27,6 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from relayrl.config import Config
 from relayrl.executors.worker_side import node_of
-from relayrl.models.vla import VLAConfig
-from relayrl.models.world_model import ObsModelConfig, SuccessModelConfig
 from relayrl.weight_sync import TRANSPORTS
 
 # Ray CPUs each actor reserves in its placement-group bundle: enough to make a bundle (Ray refuses
@@ -448,39 +446,3 @@ def stop(groups: Sequence[Group], placement: Placement | None, closing: Sequence
             ray.kill(actor)
     if placement is not None:
         placement.close()
-
-
-def vla_config(cfg: Config, views: int, dims: int, vocab: int) -> VLAConfig:
-    """The VLA policy's sizes: ``cfg.vla`` plus what the env decides (views, action tokens)."""
-    return VLAConfig(
-        image_size=cfg.env.image_size,
-        views=views,
-        action_dims=dims,
-        action_vocab=vocab,
-        **cfg.vla.model_dump(exclude={"path"}),
-    )
-
-
-def world_model_configs(
-    cfg: Config, views: int, dims: int, vocab: int
-) -> tuple[ObsModelConfig, SuccessModelConfig]:
-    """The world model's sizes: ``cfg.world_model`` plus what the env decides (image size, views,
-    action tokens) and the policy's instruction length, so both read what the policy reads."""
-    wm = cfg.world_model
-    shared = {k: v for k, v in wm.model_dump().items() if k in ObsModelConfig.__dataclass_fields__}
-    obs = ObsModelConfig(
-        image_size=cfg.env.image_size,
-        views=views,
-        action_dims=dims,
-        action_vocab=vocab,
-        **shared,
-    )
-    reward = SuccessModelConfig(
-        image_size=cfg.env.image_size,
-        views=views,
-        channels=wm.channels,
-        hidden=wm.reward_hidden,
-        instruction_tokens=cfg.vla.instruction_tokens,
-        failure_head=wm.failure_head,
-    )
-    return obs, reward

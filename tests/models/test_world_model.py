@@ -13,7 +13,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from relayrl.config import ConfigError, load_config
-from relayrl.launch import world_model_configs
 from relayrl.models.world_model import (
     OBS_BACKENDS,
     ObservationModel,
@@ -29,6 +28,7 @@ from relayrl.models.world_model import (
     pretrained_mismatch,
     save_pretrained,
     saved_version,
+    world_model_configs,
 )
 from relayrl.models.world_model.diffusion import karras_sigmas, preconditioning
 from relayrl.weight_sync import TRANSPORTS
@@ -350,7 +350,14 @@ def test_a_third_backend_is_one_class_and_a_registry_entry(monkeypatch, tmp_path
     monkeypatch.setitem(OBS_BACKENDS, "blend", BlendContext)
     overrides = ["world_model.backend=blend", "env.image_size=16", "world_model.context_frames=2"]
     cfg = load_config(None, ["workload=embodied", *overrides], world_model=True)
-    obs_cfg, _ = world_model_configs(cfg, views=1, dims=1, vocab=len(MOVES))
+    obs_cfg, _ = world_model_configs(
+        cfg.world_model,
+        image_size=cfg.env.image_size,
+        instruction_tokens=cfg.vla.instruction_tokens,
+        views=1,
+        dims=1,
+        vocab=len(MOVES),
+    )
     model = build_obs_model(obs_cfg)
     test = moving_square(64, torch.Generator().manual_seed(1))
 

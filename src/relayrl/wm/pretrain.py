@@ -28,13 +28,13 @@ from tqdm import tqdm
 
 from relayrl.config import Config
 from relayrl.data.trajectories import Episode, load_episodes, read_manifest
-from relayrl.launch import world_model_configs
 from relayrl.models.world_model import (
     ObservationModel,
     SuccessModel,
     Transitions,
     build_obs_model,
     save_pretrained,
+    world_model_configs,
 )
 from relayrl.models.world_model.batches import (
     FAILURE,
@@ -94,7 +94,14 @@ def model_configs(cfg: Config, data: Dataset) -> tuple:
     if len(spaces) > 1:
         raise ValueError(f"--data: the folders were collected with different actions: {spaces}")
     space = json.loads(spaces.pop())
-    return world_model_configs(cfg, views, space["dims"], space["vocab"])
+    return world_model_configs(
+        cfg.world_model,
+        image_size=cfg.env.image_size,
+        instruction_tokens=cfg.vla.instruction_tokens,
+        views=views,
+        dims=space["dims"],
+        vocab=space["vocab"],
+    )
 
 
 def split(n: int, heldout: float, seed: int) -> tuple[np.ndarray, np.ndarray]:

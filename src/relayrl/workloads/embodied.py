@@ -60,16 +60,15 @@ from relayrl.launch import (
     remote_class,
     restore,
     snapshot,
-    vla_config,
-    world_model_configs,
 )
-from relayrl.models.vla import VLAConfig, VLAPolicy, saved_vla_config, vla_mismatch
+from relayrl.models.vla import VLAConfig, VLAPolicy, saved_vla_config, vla_config, vla_mismatch
 from relayrl.models.world_model import (
     ObsModelConfig,
     SuccessModel,
     SuccessModelConfig,
     build_obs_model,
     pretrained_mismatch,
+    world_model_configs,
 )
 from relayrl.models.world_model.serving import WorldModel, world_model_replies
 from relayrl.observability.metrics import MetricsLog, RunTally, say
@@ -133,11 +132,21 @@ class EmbodiedWorkload:
                 raise ValueError(f"env.tasks {unknown} are not tasks of {cfg.env.suite}: {tasks}")
             tasks = tuple(cfg.env.tasks)
         self.tasks = tasks
-        vla = vla_config(cfg, views, space.dims, space.vocab)
+        image_size = cfg.env.image_size
+        vla = vla_config(
+            cfg.vla, image_size=image_size, views=views, dims=space.dims, vocab=space.vocab
+        )
         if cfg.vla.path is not None:
             check_saved_vla(cfg.vla.path, vla)
         if self.imagining and cfg.world_model.path is not None:
-            wanted = world_model_configs(cfg, views, space.dims, space.vocab)
+            wanted = world_model_configs(
+                cfg.world_model,
+                image_size=image_size,
+                instruction_tokens=cfg.vla.instruction_tokens,
+                views=views,
+                dims=space.dims,
+                vocab=space.vocab,
+            )
             check_saved_world_model(cfg.world_model.path, *wanted)
         ranks, replicas = cfg.trainer.ranks, cfg.inference.replicas
         roles = {
@@ -200,7 +209,14 @@ class EmbodiedWorkload:
         its imagination (its replica, ``B_img``, ``B_wm``)."""
         cfg, at = self.cfg, self.placement.options
         wm = cfg.world_model
-        obs_cfg, reward_cfg = world_model_configs(cfg, views, dims, vocab)
+        obs_cfg, reward_cfg = world_model_configs(
+            wm,
+            image_size=cfg.env.image_size,
+            instruction_tokens=cfg.vla.instruction_tokens,
+            views=views,
+            dims=dims,
+            vocab=vocab,
+        )
         self.wm_trainer = Group(
             "world_model_trainer",
             [
