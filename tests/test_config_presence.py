@@ -180,6 +180,11 @@ def test_an_embodied_run_takes_the_options_of_its_default_loss():
 # One refusal per rule across sections: the overrides (over the defaults) and what the line says.
 REFUSALS = {
     "_loss_options_belong_to_the_loss": (["trainer.m2po_tau=0.1"], "an option of loss m2po"),
+    "_options_belong_to_their_setting": (
+        ["trainer.kl_in=reward"],
+        "trainer.kl_in = 'reward': read only with trainer.kl_coef > 0; remove it or set "
+        "trainer.kl_coef > 0",
+    ),
     "_patch_divides_the_image": (
         [*EMBODIED, "env.image_size=60"],
         "env.image_size=60 must be a multiple of vla.patch_size=8",
@@ -316,3 +321,44 @@ def test_a_presets_loss_options_apply_only_with_its_loss():
     assert "gipo_sigma" not in cfg.trainer.model_fields_set
     message = refusal(BABYAI, ["trainer.loss=ppo_clip", "trainer.gipo_sigma=0.3"], presets=[acce])
     assert message.startswith("trainer.gipo_sigma = 0.3: an option of loss gipo")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "setting"),
+    [
+        ([*EMBODIED, "trainer.proximal_weight_cap=1.5"], "trainer.proximal=current"),
+        (["trainer.kl_estimator=k1"], "trainer.kl_coef > 0"),
+        (["log.wandb_mode=online"], "log.wandb_project"),
+        (
+            [*EMBODIED, "imagination.episodes_per_real=1", "world_model.backend=deterministic"]
+            + ["world_model.sigma_max=3"],
+            "world_model.backend=diffusion",
+        ),
+        (
+            [*EMBODIED, "imagination.episodes_per_real=1", "world_model.failure_head=false"]
+            + ["world_model.failure_threshold=0.5"],
+            "world_model.failure_head=true",
+        ),
+    ],
+)
+def test_an_option_read_only_under_a_setting_is_refused_without_it(overrides, setting):
+    key = overrides[-1].split("=")[0]
+    assert f"{key} = " in (message := refusal(None, overrides))
+    assert message.endswith(f"read only with {setting}; remove it or set {setting}")
+
+
+def test_a_saved_config_leaves_out_options_whose_setting_is_off(tmp_path):
+    cfg = load_config(
+        None,
+        [*EMBODIED, "imagination.episodes_per_real=1"]
+        + ["world_model.backend=deterministic", "trainer.proximal=behaviour"],
+    )
+    saved = tmp_path / "config.yaml"
+    save_config(cfg, saved)
+    written = yaml.safe_load(saved.read_text())
+    assert "sigma_max" not in written["world_model"] and "channels" in written["world_model"]
+    assert "proximal_weight_cap" not in written["trainer"] and "wandb_mode" not in written["log"]
+    assert load_config(saved) == cfg
+    with_cap = load_config(None, [*EMBODIED, "trainer.proximal=current"])
+    save_config(with_cap, saved)
+    assert yaml.safe_load(saved.read_text())["trainer"]["proximal_weight_cap"] == 2.0

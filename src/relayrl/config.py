@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
@@ -1187,6 +1187,53 @@ def _place_features(cfg: Config, wanted: set[str]) -> None:
         cfg.__dict__[name] = None
 
 
+def _diffusion(cfg: Config) -> bool:
+    return cfg.world_model is not None and cfg.world_model.backend == "diffusion"
+
+
+_DIFFUSION = ("world_model.backend=diffusion", _diffusion)
+# Options read only under a setting: the setting, in words, and whether it holds. Given while it
+# does not, they are refused, and a saved config leaves them out.
+SETTINGS: dict[str, tuple[str, Callable[[Config], bool]]] = {
+    "trainer.proximal_weight_cap": (
+        "trainer.proximal=current",
+        lambda cfg: cfg.trainer.proximal == "current",
+    ),
+    "trainer.kl_estimator": ("trainer.kl_coef > 0", lambda cfg: cfg.trainer.kl_coef > 0),
+    "trainer.kl_in": ("trainer.kl_coef > 0", lambda cfg: cfg.trainer.kl_coef > 0),
+    "log.wandb_mode": ("log.wandb_project", lambda cfg: cfg.log.wandb_project is not None),
+    "world_model.failure_threshold": (
+        "world_model.failure_head=true",
+        lambda cfg: cfg.world_model is not None and cfg.world_model.failure_head,
+    ),
+    **{
+        f"world_model.{name}": _DIFFUSION
+        for name in (
+            "denoising_steps",
+            "sigma_data",
+            "sigma_min",
+            "sigma_max",
+            "rho",
+            "train_sigma_loc",
+            "train_sigma_scale",
+            "context_noise",
+        )
+    },
+}
+
+
+def _options_belong_to_their_setting(cfg: Config) -> None:
+    """An option read only under a setting (``SETTINGS``) is refused while it does not hold."""
+    for key, (setting, holds) in SETTINGS.items():
+        section, _, name = key.partition(".")
+        given = getattr(cfg, section)
+        if given is not None and name in given.model_fields_set and not holds(cfg):
+            raise ValueError(
+                f"{key} = {getattr(given, name)!r}: read only with {setting}; remove it or set "
+                f"{setting}"
+            )
+
+
 def _loss_options_belong_to_the_loss(cfg: Config) -> None:
     """A loss's options (``LOSS_OPTIONS``) are refused with any other loss."""
     from relayrl.algorithms.losses import LOSS_OPTIONS
@@ -1379,6 +1426,7 @@ def _in_place_sync_needs_one_rank(cfg: Config) -> None:
 # one line naming its fields and what would make them valid.
 RULES = (
     _loss_options_belong_to_the_loss,
+    _options_belong_to_their_setting,
     _patch_divides_the_image,
     _world_model_fits_the_image,
     _imagination_needs_async,
@@ -1538,6 +1586,10 @@ def save_config(config: Config, path: Path) -> None:
     mine = set(LOSS_OPTIONS.get(config.trainer.loss, {}).values())
     others = {f for options in LOSS_OPTIONS.values() for f in options.values()} - mine
     exclude.setdefault("trainer", set()).update(others)
+    for key, (_, holds) in SETTINGS.items():
+        section, _, name = key.partition(".")
+        if getattr(config, section) is not None and not holds(config):
+            exclude.setdefault(section, set()).add(name)
     tree = config.model_dump(mode="json", exclude=exclude)
     path.write_text(yaml.safe_dump(tree, sort_keys=False))
 
