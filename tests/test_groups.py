@@ -83,8 +83,8 @@ def test_with_a_pull_transport_a_replica_takes_only_the_newest_version_before_it
         ray.get(publish_weights(w.trainer, w.receivers()))  # version 0 everywhere, as prepare does
         for _ in range(3):
             ray.get(w.trainer[0].bump_version.remote())
-            assert sync.publish(fan_out=False) == []
-        assert ray.get(sync.refresh("generator_1")) == [3]
+            assert sync.publish(fan_out=False) == {}
+        assert ray.get(sync.refresh("generator_1")["generator_1"]) == 3
         meta, batch = ray.get(w.generators[1].generate.options(num_returns=2).remote())
         assert meta.version == 3 and set(batch.versions[batch.versions >= 0].tolist()) == {3}
         summary = sync.summary()

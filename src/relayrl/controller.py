@@ -36,6 +36,7 @@ from relayrl.launch import Group, WeightSync
 from relayrl.observability.metrics import MetricsLog, RunTally
 from relayrl.recovery import DEATHS, ExecutorFailed, Recovery, WorkerRuns, alive, first_line
 from relayrl.types import StepResult
+from relayrl.weight_sync import ReceiverLost
 from relayrl.workloads import EmbodiedWorkload, LLMWorkload
 
 
@@ -53,7 +54,10 @@ async def run_sync(
     input is ready and passes data executor to executor, so the controller waits once per step.
     Every generator replica generates a batch; one rewarder replica (in turn) scores them all as
     one batch, which every trainer rank trains on. Ray runs an actor's calls in submission order,
-    so the next ``generate`` always comes after this step's ``update_weights``.
+    so the next ``generate`` always comes after this step's ``update_weights``; the controller
+    awaits each generator's update as it waits for that ``generate`` (``WeightSync.watched``),
+    and a generator whose update fails or misses ``sync.timeout_s`` is replaced as a dead one
+    is, with the step's batch. The trainer never waits for a generator's update.
 
     With ``generator.min_lag`` = K the scored batches wait in a queue here, and each step trains
     on the batch generated K steps before its own (while its own is generated): the first K
@@ -72,9 +76,11 @@ async def run_sync(
         results = [] if due is None else [rank.train_step.remote(due) for rank in w.trainer]
         if results:
             sync.publish()
+        names = w.generators.names
+        generated = [sync.watched(n, ref) for n, ref in zip(names, meta_refs, strict=True)]
         try:
-            metas, score = await asyncio.gather(asyncio.gather(*meta_refs), _scored(summary_refs))
-        except DEATHS as err:  # this step's batch is lost
+            metas, score = await asyncio.gather(asyncio.gather(*generated), _scored(summary_refs))
+        except (*DEATHS, ReceiverLost) as err:  # this step's batch is lost
             await _recover_sync_step(cfg, w, recovery, meta_refs, r, err)
             if due is scored_ref:  # the trainer did not train on it
                 continue
@@ -91,6 +97,7 @@ async def run_sync(
             if ckpt.due():
                 await ckpt.write(in_flight=await _samples(waiting))
             ckpt.after()
+    await _serving_newest(sync, w.generators, recovery)
     return {"in_flight": await _samples(waiting)}
 
 
@@ -124,26 +131,52 @@ async def _samples(waiting: deque) -> int:
     return sum(meta.samples for meta in metas)
 
 
+async def _serving_newest(
+    sync: WeightSync, group: Group, recovery: Recovery, pending: dict[str, int] | None = None
+) -> None:
+    """Await every replica of ``group``'s update to the newest publish; one whose update fails
+    or misses ``sync.timeout_s`` (or that died) is replaced, and the replacement serves it.
+    ``pending``: the unfinished work each replica holds, by name (none if not given)."""
+    replaced = True
+    while replaced:  # a replacement publishes to every replica again
+        replaced = False
+        for i, name in enumerate(group.names):
+            actor = group[i]
+            try:
+                await sync.updated(name)
+            except (*DEATHS, ReceiverLost) as err:
+                held = (pending or {}).get(name, 0)
+                await recovery.replace(group, i, err, unfinished=held, dead=actor)
+                replaced = True
+
+
 async def _recover_sync_step(
     cfg: Config, w: LLMWorkload, recovery: Recovery, meta_refs: tuple, r: int, err: Exception
 ) -> None:
-    """After a sync step failed: replace the generators and the rewarder that died, and count
-    the batches the live generators finished (never trained) as lost."""
+    """After a sync step failed: replace the generators and the rewarder that died (or the
+    generator that missed ``sync.timeout_s``), and count the batches the live generators
+    finished (never trained) as lost."""
     for name, rank in w.trainer.named().items():
         if not await alive(rank):
             raise ExecutorFailed(name, first_line(err)) from err
+    stopped = w.generators.names.index(err.name) if isinstance(err, ReceiverLost) else None
+    if stopped is not None:  # it may be busy still: stopped, it goes the way of a dead one
+        ray.kill(w.generators[stopped])
     metas = await asyncio.gather(*meta_refs, return_exceptions=True)
     finished = [m for m in metas if not isinstance(m, BaseException)]
     for meta in finished:
         recovery.tally.on_generated(meta.samples, meta.busy_s)
     lost = sum(meta.samples for meta in finished)
-    dead = [(w.generators, i) for i, g in enumerate(w.generators) if not await alive(g)]
-    dead += await _dead_stages(w, r)
+    batch = cfg.generator.prompts_per_step * cfg.generator.group_size
+    dead = [
+        (w.generators, i, batch if isinstance(metas[i], BaseException) else 0)
+        for i, g in enumerate(w.generators)
+        if i == stopped or not await alive(g)
+    ]
+    dead += [(group, j, 0) for group, j in await _dead_stages(w, r)]
     if not dead:
         raise err
-    batch = cfg.generator.prompts_per_step * cfg.generator.group_size
-    for k, (group, i) in enumerate(dead):
-        unfinished = batch if group is w.generators else 0
+    for k, (group, i, unfinished) in enumerate(dead):
         await recovery.replace(group, i, err, lost=lost if k == 0 else 0, unfinished=unfinished)
 
 
@@ -181,6 +214,7 @@ async def run_async(
     published = asyncio.Condition()
     started = {"batches": tally.steps}  # a resumed run has nothing in flight
     held: dict[str, int] = {}  # samples a loop holds between two channels, by loop
+    pending = dict.fromkeys(w.generators.names, 0)  # unfinished completions each replica holds
     lag = cfg.generator.min_lag
     bound = lag if lag else cfg.max_staleness  # the gate admits bound + 1 untrained batches
 
@@ -191,7 +225,6 @@ async def run_async(
         def may_start() -> bool:
             return tally.steps >= started["batches"] - bound
 
-        pending = 0  # unfinished completions the replica holds (partial rollouts)
         while True:
             start = time.time()
             async with published:
@@ -202,16 +235,19 @@ async def run_async(
             generator = w.generators[i]
             try:
                 async with recovery.lock:  # pull: the newest weights, before this generate
-                    updated = sync.refresh(name)
+                    sync.refresh(name)
                 meta_ref, batch_ref = generator.generate.options(num_returns=2).remote()
-                meta, *_ = await asyncio.gather(meta_ref, *updated)
-            except DEATHS as err:  # its batch in progress and its partial rollouts die with it
+                # Ray runs the update handed to it first: awaited with the batch, and one that
+                # fails or misses sync.timeout_s meanwhile stops it.
+                meta = await sync.watched(name, meta_ref)
+            except (*DEATHS, ReceiverLost) as err:
+                # Its batch in progress and its partial rollouts die with it.
                 started["batches"] -= 1
-                left = pending + batch
+                left = pending[name] + batch
                 await recovery.replace(w.generators, i, err, unfinished=left, dead=generator)
-                pending = 0
+                pending[name] = 0
                 continue
-            pending = meta.pending
+            pending[name] = meta.pending
             tally.on_generated(meta.samples, meta.busy_s)
             if not meta.samples:  # partial rollouts: no group finished in this call
                 started["batches"] -= 1
@@ -279,6 +315,7 @@ async def run_async(
             task.cancel()
         await asyncio.gather(*workers, return_exceptions=True)
     sync.refresh(*w.generators.names)  # what runs on the replicas next sees the last version
+    await _serving_newest(sync, w.generators, recovery, pending)
     left = generated.close() + scored.close()
     return {"in_flight": sum(held.values()) + sum(samples for samples, _ in left)}
 
@@ -311,11 +348,8 @@ async def run_lockstep(
         tally.on_generated(sum(len(s) for s in segments), time.time() - start)
         result = await _train_step(w.trainer, ray.put(segments))
         async with recovery.lock:
-            updates = sync.publish()
-        try:
-            await asyncio.gather(*updates)
-        except DEATHS as err:  # an inference replica died: its replacement takes the weights
-            await w.revive(recovery, err)
+            sync.publish()
+        await _serving_newest(sync, w.services, recovery)
         result.metrics |= await w.episode_feedback(tally.steps + 1)
         await _log_step(cfg, tally, log, result, w.evaluate)
         await ckpt.maybe()
@@ -338,8 +372,10 @@ async def run_streaming(
     segments more than ``max_staleness`` versions older than the version the trainer will have
     when it takes them, one more than when the fetch starts; the trainer checks again); after
     each step the new weights go to every inference replica, which drains its forward pass in
-    flight before swapping them in. Returns the env
-    steps of the super-batch fetched but never trained, and the buffer occupancy after each step.
+    flight before swapping them in; ``WorkerRuns`` awaits each replica's update beside the runs
+    of the workers it serves, and replaces a replica that misses ``sync.timeout_s``. Returns the
+    env steps of the super-batch fetched but never trained, and the buffer occupancy after each
+    step.
     """
     runs = WorkerRuns(w, w.recovery, BufferSink(w.replay_buffer))
     runs.start()
@@ -388,6 +424,7 @@ async def run_streaming(
             runs.start()
             ckpt.after()
     await runs.stop()
+    await _serving_newest(sync, w.services, w.recovery)
     await w.finish_world_model()
     # No more puts: closing the buffers ends the fetches still waiting, so what they took is
     # exact.

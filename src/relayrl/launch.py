@@ -27,7 +27,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from relayrl.config import Config
 from relayrl.executors.worker_side import node_of
-from relayrl.weight_sync import TRANSPORTS
+from relayrl.weight_sync import TRANSPORTS, ReceiverLost
 
 # Ray CPUs each actor reserves in its placement-group bundle: enough to make a bundle (Ray refuses
 # empty ones), small enough that many actors on a 2-CPU node leave room for every task. Executors
@@ -296,20 +296,45 @@ def topology(groups: Sequence[Group], placement: str) -> dict:
     }
 
 
+@dataclass(eq=False)
+class Update:
+    """One ``update_weights`` call handed to a receiver: its ref, its publish (number and
+    tickets), and when that publish was seen done (None until then): the receiver's time to take
+    it runs from there."""
+
+    ref: Any
+    publish: int
+    tickets: list[Any]
+    ready_s: float | None = None
+
+
 class WeightSync:
     """A run's weight sync once connected: the transport, the trainer ranks that publish, the
-    receivers that take, and which publish each receiver was handed last.
+    receivers that take, which publish each receiver was handed last, and its update in flight.
 
     ``publish(fan_out=True)`` hands every publish to every receiver at once, as a push transport
     (shm, dist) needs. With a pull transport (``Receiver.skips_versions``: object_store, disk) a
     loop that uses a receiver only now and then may ``publish(fan_out=False)`` and ``refresh`` the
     receiver just before using it: one receive per use instead of one per publish per receiver,
     and no calls per receiver after each publish.
+
+    Every update handed out is awaited: a loop calls a receiver through ``watched``, which
+    raises ``ReceiverLost`` when the receiver's update fails or is not taken within
+    ``timeout_s`` of its publish (the receiver is busy, or the publisher evicted it), so that the
+    loop replaces it as it would a dead one.
     """
 
-    def __init__(self, transport: str, trainer: Group, receivers: dict[str, Any], host: str):
+    def __init__(
+        self,
+        transport: str,
+        trainer: Group,
+        receivers: dict[str, Any],
+        host: str,
+        timeout_s: float = 60.0,
+    ):
         self.transport = transport
         self.host = host  # where the trainer ranks' publishers listen (dist)
+        self.timeout_s = timeout_s
         self.skips_versions = TRANSPORTS[transport].Receiver.skips_versions
         self.trainer = trainer
         self.receivers = receivers
@@ -317,23 +342,97 @@ class WeightSync:
         self.publishes = 0
         # Every receiver holds what the trainer published before the loops (``prepare``).
         self.handed = dict.fromkeys(receivers, 0)
+        self.updates: dict[str, list[Update]] = {}  # each receiver's, not yet seen taken
 
-    def publish(self, fan_out: bool = True) -> list[Any]:
+    def publish(self, fan_out: bool = True) -> dict[str, Any]:
         """Every trainer rank publishes its shard; with ``fan_out`` every receiver takes the
-        version at once. Returns the receivers' ``update_weights`` refs (each resolves to it)."""
+        version at once. Returns the receivers' ``update_weights`` refs by name (each resolves
+        to the version)."""
         if not fan_out and not self.skips_versions:
             raise ValueError(f"sync.transport={self.transport} needs every receiver to take it")
         self.tickets = [rank.publish.remote() for rank in self.trainer]
         self.publishes += 1
-        return self.refresh(*self.receivers) if fan_out else []
+        return self.refresh(*self.receivers) if fan_out else {}
 
-    def refresh(self, *names: str) -> list[Any]:
+    def refresh(self, *names: str) -> dict[str, Any]:
         """Hand each named receiver the newest publish unless it has it; their ``update_weights``
-        refs (an actor runs its calls in order, so a call submitted next runs on those weights)."""
+        refs by name (an actor runs its calls in order, so a call submitted next runs on those
+        weights)."""
         stale = [name for name in names if self.handed[name] < self.publishes]
+        refs = {}
         for name in stale:
             self.handed[name] = self.publishes
-        return [self.receivers[name].update_weights.remote(*self.tickets) for name in stale]
+            refs[name] = self.receivers[name].update_weights.remote(*self.tickets)
+            update = Update(refs[name], self.publishes, self.tickets)
+            self.updates.setdefault(name, []).append(update)
+        return refs
+
+    async def watched(self, name: str, call: Any) -> Any:
+        """``await call``, a call on receiver ``name``, and await the receiver's updates with
+        it: those handed before the call (Ray runs them first) must have succeeded when the call
+        returns, and one handed meanwhile must be taken within ``timeout_s`` of its publish.
+        Raises ``ReceiverLost`` otherwise; the receiver's death as it is."""
+        before = list(self.updates.get(name, []))
+        task = asyncio.ensure_future(_resolved(call))
+        task.add_done_callback(_retrieved)  # left behind when the receiver is lost
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=self.timeout_s / 4)
+            if done:
+                if isinstance(task.exception(), ray.exceptions.RayActorError):
+                    raise task.exception()
+                for update in before:
+                    await self._taken(name, update)
+                return task.result()
+            await self._check(name)
+
+    async def updated(self, name: str) -> None:
+        """Wait until receiver ``name`` serves the newest publish handed to it; raises as
+        ``watched`` does."""
+        pending = self.updates.get(name)
+        if pending:
+            await self.watched(name, pending[-1].ref)
+
+    async def _check(self, name: str) -> None:
+        """Raise ``ReceiverLost`` if an update handed to ``name`` failed, or the oldest one not
+        taken has waited ``timeout_s`` since its publish was done."""
+        pending = list(self.updates.get(name, []))
+        if not pending:
+            return
+        refs = [update.ref for update in pending]
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
+        for update in pending[: len(done)]:  # an actor runs its calls in order
+            await self._taken(name, update)
+        if len(done) == len(pending):
+            return
+        oldest, now = pending[len(done)], asyncio.get_running_loop().time()
+        if oldest.ready_s is None:
+            tickets = oldest.tickets
+            published, _ = ray.wait(tickets, num_returns=len(tickets), timeout=0, fetch_local=False)
+            if len(published) == len(tickets):
+                oldest.ready_s = now
+        elif now - oldest.ready_s > self.timeout_s:
+            raise ReceiverLost(
+                name,
+                f"missed sync.timeout_s={self.timeout_s:g}: publish #{oldest.publish} was not "
+                f"taken {now - oldest.ready_s:.1f} s after it was ready",
+            )
+
+    async def _taken(self, name: str, update: Update) -> None:
+        """Await ``update`` (done, or about to be) unless it was seen taken, or a reconnect
+        superseded it; a failure is ``ReceiverLost``."""
+        pending = self.updates.get(name, [])
+        if update not in pending:
+            return
+        try:
+            await update.ref
+        except ray.exceptions.RayActorError:
+            raise
+        except Exception as err:
+            cause = getattr(err, "cause", None) or err  # what update_weights raised
+            reason = f"{type(cause).__name__}: {' '.join(str(cause).split())[:300]}"
+            raise ReceiverLost(name, f"its update failed ({reason})") from err
+        if update in pending:
+            pending.remove(update)
 
     def open(self) -> None:
         """Open every trainer rank's publisher for the receivers (by name), give each receiver
@@ -350,11 +449,13 @@ class WeightSync:
 
     async def reconnect(self, receivers: dict[str, Any]) -> None:
         """Weight sync to ``receivers`` (a replaced one among them): new publishers, every
-        receiver attached to them, and the trainer's weights published to all."""
+        receiver attached to them, and the trainer's weights published to all. An update that
+        fails here is raised where that receiver is next ``watched``."""
         self.receivers = receivers
+        self.updates = {}  # those to the old publishers end with them
         await asyncio.gather(*(rank.close_sync.remote() for rank in self.trainer))
         await asyncio.to_thread(self.open)
-        await asyncio.gather(*self.publish())
+        await asyncio.gather(*self.publish().values(), return_exceptions=True)
 
     def summary(self) -> dict:
         """summary.json's ``sync``: the slowest rank's stall per publish, and every receive.
@@ -384,6 +485,16 @@ class WeightSync:
         }
 
 
+async def _resolved(call: Any) -> Any:
+    return await call
+
+
+def _retrieved(task: asyncio.Future) -> None:
+    """Mark a left-behind call's error as seen (asyncio would log it as never retrieved)."""
+    if not task.cancelled():
+        task.exception()
+
+
 def connect_weight_sync(cfg: Config, trainer: Group, receivers: dict[str, Any]) -> WeightSync:
     """Open every trainer rank's publisher for ``receivers`` (by name), give each receiver the
     addresses of all ranks, rendezvous all.
@@ -396,7 +507,7 @@ def connect_weight_sync(cfg: Config, trainer: Group, receivers: dict[str, Any]) 
         + [r.__ray_call__.remote(node_of) for r in receivers.values()]
     )
     transport = pick_transport(cfg.sync.transport, trainer_node, [node for node, _ in nodes])
-    sync = WeightSync(transport, trainer, receivers, trainer_ip)
+    sync = WeightSync(transport, trainer, receivers, trainer_ip, cfg.sync.timeout_s)
     sync.open()
     return sync
 

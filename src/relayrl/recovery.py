@@ -1,6 +1,7 @@
 """Executors that die mid-run are replaced, not fatal: the failure is recorded, a new actor takes
 the dead one's place (same role, index and placement bundle), weight sync is reconnected and the
-newest weights are served to it, and what died with it is counted.
+newest weights are served to it, and what died with it is counted. A weight-sync receiver that
+misses ``sync.timeout_s`` (``ReceiverLost``) goes the same way: it is stopped and replaced.
 
 A trainer rank is not replaced: its shard of the model and optimizer state died with it, so the
 run stops (``ExecutorFailed``) and ``relayrl train --resume`` continues from the last checkpoint.
@@ -12,10 +13,12 @@ import asyncio
 import time
 from typing import Any
 
+import ray
 from ray.exceptions import RayActorError
 
 from relayrl.launch import Group, WeightSync
 from relayrl.observability.metrics import RunTally, say
+from relayrl.weight_sync import ReceiverLost
 
 DEATHS = (RayActorError,)  # what a call on a dead (killed, crashed, out of memory) actor raises
 
@@ -53,7 +56,8 @@ class Recovery:
         """Record the death of ``dead`` (default: ``group[index]``; ``lost``: samples counted as
         generated that died with it; ``unfinished``: work in progress it held, never counted,
         None if unknown), put a new actor in its place, reconnect weight sync; returns the
-        actor now in its place.
+        actor now in its place. With ``err`` a ``ReceiverLost`` the receiver may be alive (busy
+        past ``sync.timeout_s``): it is killed first, which frees its bundle for the new one.
 
         Several loops may see one death (a scoring loop and an evaluation, say): it is recorded
         once, what each lost is added to that record, and it is replaced once. A replacement
@@ -62,6 +66,7 @@ class Recovery:
         """
         dead = group.actors[index] if dead is None else dead
         name = group.names[index]
+        lost_receiver = isinstance(err, ReceiverLost)
         key = dead._actor_id.hex()
         record = self.deaths.get(key)
         if record is None:
@@ -77,7 +82,7 @@ class Recovery:
             }
             self.deaths[key] = record
             self.tally.on_failure(record)
-            say(f"{name} died ({reason}); replacing it")
+            say(f"{name} {'is lost' if lost_receiver else 'died'} ({reason}); replacing it")
         else:  # another loop's view of a death already recorded: what it lost joins the record
             record["lost"] += lost
             self.tally.lost += lost
@@ -85,6 +90,8 @@ class Recovery:
             record["unfinished"] = None if None in (held, unfinished) else held + unfinished
         async with self.lock:
             if group.actors[index] is dead:
+                if lost_receiver:
+                    ray.kill(dead)
                 swap = asyncio.ensure_future(self._swap(group, index))
                 try:
                     await asyncio.shield(swap)
@@ -145,10 +152,12 @@ class WorkerRuns:
     """The rollout workers' ``run`` loops of an async embodied run, kept running.
 
     A run that ends because its worker or its worker's inference replica died is restarted once
-    the dead actor is replaced. A replaced worker's books (env steps, steps dropped by env
-    errors) are kept as of the last segment it put; the steps it took after that died with it,
-    uncounted, and its failure record reports them as ``unfinished`` (see
-    ``EmbodiedWorkload.retire``).
+    the dead actor is replaced. Each run is watched with its replica's weight updates
+    (``WeightSync.watched``): a replica whose update fails or misses ``sync.timeout_s`` is
+    replaced as a dead one, and the runs of the workers it served restart on its replacement.
+    A replaced worker's books (env steps, steps dropped by env errors) are kept as of the last
+    segment it put; the steps it took after that died with it, uncounted, and its failure record
+    reports them as ``unfinished`` (see ``EmbodiedWorkload.retire``).
     """
 
     def __init__(self, workload: Any, recovery: Recovery, sink: Any):
@@ -156,12 +165,16 @@ class WorkerRuns:
         self.recovery = recovery
         self.sink = sink
         self.runs: list[asyncio.Future] = []
+        self.calls: list[Any] = []  # each run's call (an object ref), which the watch awaits
+        self.served: list[Any] = []  # the inference replica each run was started with
         self.watch: asyncio.Future | None = None
         self._reviving = asyncio.Lock()
 
     def start(self) -> None:
         """Start every worker's run, and the watch that revives them."""
-        self.runs = [self._run(i) for i in range(len(self.w.workers))]
+        count = len(self.w.workers)
+        self.calls, self.served = [None] * count, [None] * count
+        self.runs = [self._run(i) for i in range(count)]
         self.watch = asyncio.ensure_future(self._watch())
 
     async def stop(self) -> None:
@@ -182,8 +195,11 @@ class WorkerRuns:
                     await self._replace_dead(i, err)
 
     def _run(self, i: int) -> asyncio.Future:
-        worker = self.w.workers[i]
-        return asyncio.ensure_future(worker.run.remote(self.w.service_client(i), self.sink))
+        worker, service = self.w.workers[i], self.w.service_of(i)
+        self.calls[i] = worker.run.remote(self.w.service_client(i), self.sink)
+        self.served[i] = service
+        name = self.w.services.names[i % len(self.w.services)]
+        return asyncio.ensure_future(self.recovery.sync.watched(name, self.calls[i]))
 
     async def _watch(self) -> None:
         while True:
@@ -203,15 +219,19 @@ class WorkerRuns:
 
     async def _replace_dead(self, i: int, err: BaseException) -> None:
         """Worker ``i``'s call failed with ``err``: replace its inference replica and itself,
-        whichever died (re-raise an error that is no death). The death of an executor neither
-        of them (a world-model replica, say), which nothing replaces, fails the run naming it,
-        where restarting the worker would only fail again."""
-        if not is_death(err):
-            raise err
+        whichever died or (the replica) missed its update (re-raise an error that is neither).
+        The death of an executor neither of them (a world-model replica, say), which nothing
+        replaces, fails the run naming it, where restarting the worker would only fail again."""
         services = self.w.services
         s = i % len(services)
         replaced = False
-        if not await alive(services[s]):
+        if isinstance(err, ReceiverLost):  # its replica missed its update: stopped and replaced
+            await self.recovery.replace(services, s, err, dead=self.served[i])
+            await asyncio.gather(self.calls[i], return_exceptions=True)  # the run fails with it
+            replaced = True
+        elif not is_death(err):
+            raise err
+        elif not await alive(services[s]):
             await self.recovery.replace(services, s, err)
             replaced = True
         if not await alive(self.w.workers[i]):

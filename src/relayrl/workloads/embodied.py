@@ -455,7 +455,7 @@ class EmbodiedWorkload:
         weights whole) and serve the version it holds."""
         publisher = Group(self.wm_trainer.role, self.wm_trainer.actors[:1])
         self.wm_sync = connect_weight_sync(self.cfg, publisher, self.wm_services.named())
-        ray.get(self.wm_sync.publish())
+        ray.get(list(self.wm_sync.publish().values()))
         self.wm_version = ray.get(self.wm_trainer[0].stats.remote())["version"]
 
     def _report_loaded(self, parts: dict[str, Any]) -> list:
@@ -529,7 +529,7 @@ class EmbodiedWorkload:
                     raise ExecutorFailed(name, first_line(err)) from err
             raise
         if found.version > self.wm_version:
-            await asyncio.gather(*self.wm_sync.publish())
+            await asyncio.gather(*self.wm_sync.publish().values())
             self.wm_version = found.version
         return dict(found.metrics)
 
