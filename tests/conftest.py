@@ -1,15 +1,34 @@
-"""Shared fixtures: a tiny model config and one embedded Ray instance per test session."""
+"""Shared fixtures and constants: a tiny model config, one embedded Ray instance per test session,
+the sizes of the small end-to-end runs, and what several test modules build their cases from (test
+modules import from here, never from each other)."""
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
+import ray
+import torch
 
+from relayrl import job
+from relayrl.algorithms.losses import gipo_loss
+from relayrl.checkpoint_format import DIRECTORY
 from relayrl.config import Config, load_config
 from relayrl.executors.generator import decode_completions
-from relayrl.types import RolloutBatch
+from relayrl.executors.trainer_core import TrainerCore
+from relayrl.models.lm import builtin_tokenizer_dir
+from relayrl.models.vla import VLAConfig
+from relayrl.observability.metrics import MetricsLog
+from relayrl.types import RolloutBatch, Segment
+from relayrl.workloads import EmbodiedWorkload, LLMWorkload
 
 QUIET = ["log.progress=false", "log.tensorboard=false", "log.report=false"]
 TINY = [
@@ -69,3 +88,255 @@ def ray_session():
     start_ray(tiny_config())
     yield ray
     ray.shutdown()
+
+
+# The small LLM run: 6 steps of 1-digit addition after a 40-step warm start.
+SMALL_LLM = [
+    "steps=6",
+    "log.every=1",
+    "generator.prompts_per_step=4",
+    "generator.group_size=4",
+    "generator.max_new_tokens=4",
+    "generator.max_new_tokens_per_step=4",
+    "task.digits=1",
+    "task.heldout_size=20",
+    "warm_start.max_steps=40",
+    "warm_start.target_accuracy=0",
+    "warm_start.lr=1e-2",
+    "trainer.lr=1e-2",
+]
+
+# The small embodied run: 3 steps on BabyAI at 28 pixels with a tiny VLA and two workers.
+SMALL_EMBODIED = [
+    "workload=embodied",
+    "steps=3",
+    "log.every=1",
+    "env.image_size=28",
+    "env.max_steps=12",
+    "env.eval_episodes=4",
+    "env.eval_workers=1",
+    "vla.patch_size=4",
+    "vla.channels=8",
+    "vla.d_model=16",
+    "vla.heads=2",
+    "vla.max_episode_steps=12",
+    "rollout.workers=2",
+    "rollout.segment_len=4",
+    "replay.batch_steps=16",
+    "replay.capacity_steps=64",
+    "trainer.minibatch_steps=8",
+    "trainer.lr=3e-3",
+]
+
+IMAGINING = [  # AcceRL-WM at the small run's size: a round of both models after every step
+    "mode=async",
+    "world_model.channels=8",
+    "world_model.cond_dim=16",
+    "world_model.reward_hidden=16",
+    "world_model.denoising_steps=2",
+    "world_model.max_steps=4",
+    "world_model.train_obs_every=1",
+    "world_model.train_reward_every=1",
+    "world_model.train_steps=2",
+    "world_model.batch_size=4",
+    "imagination.episodes_per_real=2",
+    "imagination.real_ratio=0.5",
+    "imagination.buffer_steps=64",
+]
+
+
+def check_books(summary: dict) -> dict:
+    """Assert that an embodied run's env steps balance: every one generated was trained, dropped,
+    lost or is in flight; return the ``samples`` section."""
+    samples = summary["samples"]
+    accounted = samples["trained"] + samples["dropped_stale"] + samples["dropped_overflow"]
+    accounted += samples["dropped_error"] + samples["dropped_resume"] + samples["lost"]
+    accounted += samples["in_flight"]
+    assert samples["accounted"] and samples["generated"] == accounted > 0
+    return samples
+
+
+def interrupted_copy(run: Path, at: int, tmp_path: Path, corrupt_after: int | None = None) -> Path:
+    """A run directory as a run killed after step ``at`` (and later) would leave it: the config,
+    the metrics of every step written so far, checkpoint ``at``, and optionally a newer checkpoint
+    whose trainer file is corrupt."""
+    copy = tmp_path / "killed"
+    (copy / DIRECTORY).mkdir(parents=True)
+    for name in ("config.yaml", "metrics.jsonl"):
+        shutil.copy(run / name, copy / name)
+    shutil.copytree(run / DIRECTORY / f"step-{at:08d}", copy / DIRECTORY / f"step-{at:08d}")
+    if corrupt_after is not None:
+        later = copy / DIRECTORY / f"step-{corrupt_after:08d}"
+        shutil.copytree(run / DIRECTORY / f"step-{corrupt_after:08d}", later)
+        data = bytearray((later / "trainer_1.pt").read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        (later / "trainer_1.pt").write_bytes(bytes(data))
+    return copy
+
+
+# Killing executors mid-run.
+MADE: list = []  # the workloads of the runs, where a test can reach their actors
+
+
+class Kept(LLMWorkload):
+    """The LLM workload, kept in ``MADE``."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        MADE.append(self)
+
+
+class KeptEmbodied(EmbodiedWorkload):
+    """The embodied workload, kept in ``MADE``."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        MADE.append(self)
+
+
+def actor_pid(actor) -> int:
+    """The process id of a Ray actor."""
+    return ray.get(actor.__ray_call__.remote(lambda _: os.getpid()), timeout=60)
+
+
+def kill_at(monkeypatch, kills: list[tuple[int, str, int, str]]) -> list:
+    """Kill ``(step, role, index, how)``: as the run logs step ``step``, the actor ``role[index]``
+    of the run, by ``ray.kill`` or ``os.kill``; in the driver, between two of its steps, so that
+    no step of these millisecond-long runs outpaces a kill. Returns the kills still to come."""
+    todo = sorted(kills)
+
+    class Killing(MetricsLog):
+        def log(self, step: int, metrics: dict) -> None:
+            super().log(step, metrics)
+            while todo and step >= todo[0][0]:
+                _, role, index, how = todo.pop(0)
+                actor = {g.role: g for g in MADE[-1].groups()}[role][index]
+                if how == "ray.kill":
+                    ray.kill(actor)
+                else:
+                    os.kill(actor_pid(actor), signal.SIGKILL)
+
+    monkeypatch.setattr(job, "MetricsLog", Killing)
+    return todo
+
+
+# Data files for the pre-flight check and the command line.
+GOOD = [{"prompt": "1+2=", "answer": "3"}, {"prompt": "4+4=", "answer": "8"}]
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    """A JSONL file with one line per row; str rows are written as they are."""
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def write_tokenizer(folder: Path, chars: str, drop: str = "") -> Path:
+    """A character-level tokenizer directory with ``chars`` and an unknown token in its vocabulary
+    (so an unknown character gives ``<unk>`` instead of an error); ``drop`` is removed before
+    tokenizing."""
+    spec = json.loads((builtin_tokenizer_dir("char") / "tokenizer.json").read_text())
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>"]
+    spec["model"]["vocab"] = {token: i for i, token in enumerate([*specials, *chars])}
+    if drop:
+        spec["normalizer"] = {"type": "Replace", "pattern": {"String": drop}, "content": ""}
+    folder.mkdir(parents=True)
+    (folder / "tokenizer.json").write_text(json.dumps(spec))
+    config = json.loads((builtin_tokenizer_dir("char") / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps(config | {"unk_token": "<unk>"}))
+    return folder
+
+
+# Trainers: a tiny VLA, its segments, losses that fail on chosen calls, bit-identical state.
+TINY_VLA = VLAConfig(
+    image_size=8,
+    patch_size=4,
+    channels=4,
+    conv_layers=1,
+    d_model=8,
+    layers=1,
+    heads=2,
+    instruction_tokens=4,
+    hash_buckets=4,
+    action_dims=2,
+    action_vocab=3,
+    max_episode_steps=8,
+)
+
+
+def segment(length: int, *, seed: int, version: int = 0, terminated: bool = False) -> Segment:
+    """A random ``TINY_VLA`` segment of ``length`` steps, sampled at ``version``."""
+    rng = np.random.default_rng(seed)
+    return Segment(
+        worker=0,
+        episode=seed,
+        task="t",
+        instruction=["go to the red ball", "open the door"][seed % 2],
+        images=rng.integers(0, 256, (length + 1, 1, 8, 8, 3), dtype=np.uint8),
+        steps=np.arange(length + 1, dtype=np.int64) + seed,
+        actions=rng.integers(0, 3, (length, 2)),
+        logprobs=np.full((length, 2), -1.1, np.float32),
+        values=np.zeros(length, np.float32),
+        rewards=rng.random(length).astype(np.float32),
+        versions=np.full(length, version, np.int64),
+        terminated=terminated,
+        episode_done=terminated,
+        success=terminated,
+    )
+
+
+def nan_on_calls(*calls: int):
+    """The trainer's loss, but a nan (with finite, zero gradients) on the given 0-based calls:
+    one call per minibatch."""
+    count = iter(range(1_000_000))
+
+    def loss_fn(logp, mu_logp, advantages, mask, **kwargs):
+        loss, stats = gipo_loss(logp, mu_logp, advantages, mask, **kwargs)
+        return (loss + float("nan") if next(count) in calls else loss), stats
+
+    return loss_fn
+
+
+def core_state(trainer: TrainerCore) -> dict:
+    """What a skipped step must leave bit for bit: weights, optimizer state, schedule, version."""
+    state = trainer.state_dict()
+    return {key: state[key] for key in ("model", "optimizer", "scheduler", "version")}
+
+
+def assert_bit_identical(a, b) -> None:
+    """Nested dicts and lists of tensors and plain values, equal bit for bit."""
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert_bit_identical(a[key], b[key])
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            assert_bit_identical(x, y)
+    else:
+        assert a == b
+
+
+# Trainer groups: a hang in a collective fails the test at TIMEOUT_S instead of blocking the run.
+TIMEOUT_S = 60
+ATOL = 1e-5
+
+
+@contextmanager
+def trainer_group(cls: type, *args: Any, world: int = 2) -> Iterator[list[Any]]:
+    """``world`` trainer actors that have joined one group, killed on exit."""
+    actor = ray.remote(num_cpus=0, max_restarts=0)(cls)
+    ranks = [actor.remote(*args, rank=rank, world=world) for rank in range(world)]
+    try:
+        host, port = ray.get(ranks[0].group_address.remote(), timeout=TIMEOUT_S)
+        on_all(ranks, "join_group", host, port)
+        yield ranks
+    finally:
+        for rank in ranks:
+            ray.kill(rank)
+
+
+def on_all(ranks: list[Any], method: str, *args: Any) -> list[Any]:
+    """Call ``method`` on every rank at once with the same arguments, as the controller does."""
+    return ray.get([getattr(r, method).remote(*args) for r in ranks], timeout=TIMEOUT_S)

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from test_preflight import GOOD, write_jsonl, write_tokenizer
+from conftest import GOOD, write_jsonl, write_tokenizer
 
 from relayrl import cli
 from relayrl.config import load_config

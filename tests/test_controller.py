@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import SMALL_LLM as SMALL
 from conftest import shm_files, tiny_config
 from safetensors.torch import load_file
 
@@ -12,21 +13,6 @@ from relayrl.config import Config
 from relayrl.executors.trainer import Trainer
 from relayrl.job import train
 from relayrl.launch import pick_transport
-
-SMALL = [
-    "steps=6",
-    "log.every=1",
-    "generator.prompts_per_step=4",
-    "generator.group_size=4",
-    "generator.max_new_tokens=4",
-    "generator.max_new_tokens_per_step=4",
-    "task.digits=1",
-    "task.heldout_size=20",
-    "warm_start.max_steps=40",
-    "warm_start.target_accuracy=0",
-    "warm_start.lr=1e-2",
-    "trainer.lr=1e-2",
-]
 
 
 def _run(tmp_path, *overrides):

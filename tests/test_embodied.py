@@ -10,34 +10,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import QUIET, shm_files, tiny_config
+from conftest import IMAGINING, QUIET, check_books, interrupted_copy, shm_files, tiny_config
+from conftest import SMALL_EMBODIED as SMALL
 from safetensors.torch import load_file
 
 from relayrl.config import ConfigError, EnvConfig, load_config
 from relayrl.executors.worker_side import BLIND_INSTRUCTION, build_env
 from relayrl.job import train
 from relayrl.models.vla import VLAConfig, VLAPolicy
-
-SMALL = [
-    "workload=embodied",
-    "steps=3",
-    "log.every=1",
-    "env.image_size=28",
-    "env.max_steps=12",
-    "env.eval_episodes=4",
-    "env.eval_workers=1",
-    "vla.patch_size=4",
-    "vla.channels=8",
-    "vla.d_model=16",
-    "vla.heads=2",
-    "vla.max_episode_steps=12",
-    "rollout.workers=2",
-    "rollout.segment_len=4",
-    "replay.batch_steps=16",
-    "replay.capacity_steps=64",
-    "trainer.minibatch_steps=8",
-    "trainer.lr=3e-3",
-]
 
 
 class CrashingEnv:
@@ -76,15 +56,6 @@ def changed_parameters(summary: dict, seed: int) -> list[str]:
     initial = VLAPolicy(vla).state_dict()
     saved = load_file(f"{path}/model.safetensors")
     return [k for k, v in saved.items() if not torch.equal(v, initial[k])]
-
-
-def check_books(summary: dict) -> dict:
-    samples = summary["samples"]
-    accounted = samples["trained"] + samples["dropped_stale"] + samples["dropped_overflow"]
-    accounted += samples["dropped_error"] + samples["dropped_resume"] + samples["lost"]
-    accounted += samples["in_flight"]
-    assert samples["accounted"] and samples["generated"] == accounted > 0
-    return samples
 
 
 def test_sync_lockstep_run_is_on_policy_and_learns_something(ray_session, tmp_path):
@@ -248,30 +219,11 @@ def test_the_acce_preset_runs_async_and_trains_its_value_head(ray_session, tmp_p
     assert any(name.startswith("value_head.") for name in changed)
 
 
-IMAGINING = [  # AcceRL-WM at the small run's size: a round of both models after every step
-    "mode=async",
-    "world_model.channels=8",
-    "world_model.cond_dim=16",
-    "world_model.reward_hidden=16",
-    "world_model.denoising_steps=2",
-    "world_model.max_steps=4",
-    "world_model.train_obs_every=1",
-    "world_model.train_reward_every=1",
-    "world_model.train_steps=2",
-    "world_model.batch_size=4",
-    "imagination.episodes_per_real=2",
-    "imagination.real_ratio=0.5",
-    "imagination.buffer_steps=64",
-]
-
-
 def test_imagination_trains_on_imagined_segments_and_keeps_both_books(ray_session, tmp_path):
     """AcceRL-WM on the small run: the workers imagine after each real episode, the world-model
     trainer (two ranks) fine-tunes both models every step and its replicas serve the new
     versions; real and imagined env steps each balance their books, also after a resume from the
     step-2 checkpoint, and the trace has the world-model rows."""
-    from test_resume import _interrupted_copy
-
     cfg = tiny_config(
         *SMALL, *IMAGINING, "steps=4", "run.checkpoint_every=2", "world_model.ranks=2"
     )
@@ -296,7 +248,7 @@ def test_imagination_trains_on_imagined_segments_and_keeps_both_books(ray_sessio
         and summary["perf"]["busy"]["world_model_trainer_1"] > 0
     )
 
-    resumed = train(cfg, _interrupted_copy(tmp_path / "run", 2, tmp_path), resume=True)
+    resumed = train(cfg, interrupted_copy(tmp_path / "run", 2, tmp_path), resume=True)
     assert resumed["status"] == "finished" and resumed["steps"] == 4
     check_books(resumed)
     imagined = resumed["imagined_samples"]

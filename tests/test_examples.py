@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import SMALL_LLM as SMALL
 from conftest import TINY, text_batch, tiny_config
-from test_controller import SMALL
 
 from relayrl.executors.rewarder import Rewarder
 from relayrl.models.lm import load_tokenizer

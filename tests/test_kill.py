@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import SMALL_LLM as SMALL
 from conftest import TINY, shm_files
 from safetensors.torch import load_file
-from test_controller import SMALL
 
 from relayrl.config import load_config
 from relayrl.faults import PAUSE_AT, PAUSE_MARKER

@@ -2,41 +2,18 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
+from conftest import GOOD, write_jsonl, write_tokenizer
 
 from relayrl.config import Config, load_config
-from relayrl.models.lm import builtin_tokenizer_dir, load_tokenizer
+from relayrl.models.lm import load_tokenizer
 from relayrl.preflight import PreflightError, check, unencodable
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = sorted((REPO / "configs").glob("*.yaml"))
 SHARED = REPO.parent / "shared" / "data"
-GOOD = [{"prompt": "1+2=", "answer": "3"}, {"prompt": "4+4=", "answer": "8"}]
-
-
-def write_jsonl(path: Path, rows: list) -> Path:
-    """A JSONL file with one line per row; str rows are written as they are."""
-    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
-    return path
-
-
-def write_tokenizer(folder: Path, chars: str, drop: str = "") -> Path:
-    """A character-level tokenizer directory with ``chars`` and an unknown token in its vocabulary
-    (so an unknown character gives ``<unk>`` instead of an error); ``drop`` is removed before
-    tokenizing."""
-    spec = json.loads((builtin_tokenizer_dir("char") / "tokenizer.json").read_text())
-    specials = ["<pad>", "<eos>", "<bos>", "<unk>"]
-    spec["model"]["vocab"] = {token: i for i, token in enumerate([*specials, *chars])}
-    if drop:
-        spec["normalizer"] = {"type": "Replace", "pattern": {"String": drop}, "content": ""}
-    folder.mkdir(parents=True)
-    (folder / "tokenizer.json").write_text(json.dumps(spec))
-    config = json.loads((builtin_tokenizer_dir("char") / "tokenizer_config.json").read_text())
-    (folder / "tokenizer_config.json").write_text(json.dumps(config | {"unk_token": "<unk>"}))
-    return folder
 
 
 def dataset(path: Path) -> Config:

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 import ray
-from conftest import tiny_config
-from test_controller import SMALL
-from test_embodied import IMAGINING, check_books
-from test_embodied import SMALL as EMBODIED
+from conftest import IMAGINING, Kept, KeptEmbodied, check_books, tiny_config
+from conftest import SMALL_EMBODIED as EMBODIED
+from conftest import SMALL_LLM as SMALL
+from conftest import kill_at as _kill_at
 
 from relayrl import job
 from relayrl.checkpoint import Checkpointer
@@ -22,50 +22,7 @@ from relayrl.config import EnvConfig
 from relayrl.executors.worker_side import build_env
 from relayrl.observability.metrics import MetricsLog
 from relayrl.recovery import ExecutorFailed
-from relayrl.workloads import EmbodiedWorkload, LLMWorkload
-
-MADE: list = []  # the workloads of the runs, where a test can reach their actors
-
-
-class Kept(LLMWorkload):
-    """The LLM workload, kept in ``MADE``."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        MADE.append(self)
-
-
-class KeptEmbodied(EmbodiedWorkload):
-    """The embodied workload, kept in ``MADE``."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        MADE.append(self)
-
-
-def _pid(actor) -> int:
-    return ray.get(actor.__ray_call__.remote(lambda _: os.getpid()), timeout=60)
-
-
-def _kill_at(monkeypatch, kills: list[tuple[int, str, int, str]]) -> list:
-    """Kill ``(step, role, index, how)``: as the run logs step ``step``, the actor ``role[index]``
-    of the run, by ``ray.kill`` or ``os.kill``; in the driver, between two of its steps, so that
-    no step of these millisecond-long runs outpaces a kill. Returns the kills still to come."""
-    todo = sorted(kills)
-
-    class Killing(MetricsLog):
-        def log(self, step: int, metrics: dict) -> None:
-            super().log(step, metrics)
-            while todo and step >= todo[0][0]:
-                _, role, index, how = todo.pop(0)
-                actor = {g.role: g for g in MADE[-1].groups()}[role][index]
-                if how == "ray.kill":
-                    ray.kill(actor)
-                else:
-                    os.kill(_pid(actor), signal.SIGKILL)
-
-    monkeypatch.setattr(job, "MetricsLog", Killing)
-    return todo
+from relayrl.workloads import EmbodiedWorkload
 
 
 # async unforced: two lost batches exceed max_staleness; sync forced: older batches train meanwhile.

@@ -7,9 +7,8 @@ import json
 import shutil
 
 import pytest
-from conftest import tiny_config
-from test_controller import SMALL
-from test_recovery import Kept, _kill_at
+from conftest import SMALL_LLM as SMALL
+from conftest import Kept, kill_at, tiny_config
 
 from relayrl import job
 from relayrl.checkpoint_format import DIRECTORY, load_part
@@ -32,7 +31,7 @@ def test_the_kl_to_the_reference_starts_at_zero_grows_and_survives_a_dead_refere
         "sync.timeout_s=5",
     )
     run_dir = tmp_path / "run"
-    todo = _kill_at(monkeypatch, [(4, "reference", 0, "ray.kill")])
+    todo = kill_at(monkeypatch, [(4, "reference", 0, "ray.kill")])
     summary = job.train(cfg, run_dir)
     assert todo == []
 

@@ -5,35 +5,15 @@ a checkpoint that fails its hashes is skipped."""
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
-from conftest import tiny_config
+from conftest import SMALL_EMBODIED as EMBODIED
+from conftest import SMALL_LLM as LLM
+from conftest import check_books, interrupted_copy, tiny_config
 from safetensors.torch import load_file
-from test_controller import SMALL as LLM
-from test_embodied import SMALL as EMBODIED
-from test_embodied import check_books
 
 from relayrl.checkpoint_format import DIRECTORY
 from relayrl.job import train
-
-
-def _interrupted_copy(run, at: int, tmp_path, corrupt_after: int | None = None):
-    """A run directory as a run killed after step ``at`` (and later) would leave it: the config,
-    the metrics of every step written so far, checkpoint ``at``, and optionally a newer checkpoint
-    whose trainer file is corrupt."""
-    copy = tmp_path / "killed"
-    (copy / DIRECTORY).mkdir(parents=True)
-    for name in ("config.yaml", "metrics.jsonl"):
-        shutil.copy(run / name, copy / name)
-    shutil.copytree(run / DIRECTORY / f"step-{at:08d}", copy / DIRECTORY / f"step-{at:08d}")
-    if corrupt_after is not None:
-        later = copy / DIRECTORY / f"step-{corrupt_after:08d}"
-        shutil.copytree(run / DIRECTORY / f"step-{corrupt_after:08d}", later)
-        data = bytearray((later / "trainer_1.pt").read_bytes())
-        data[len(data) // 2] ^= 0xFF
-        (later / "trainer_1.pt").write_bytes(bytes(data))
-    return copy
 
 
 def _max_difference(a, b) -> float:
@@ -65,7 +45,7 @@ def test_a_resumed_sync_llm_run_of_two_ranks_ends_with_the_uninterrupted_paramet
         "step-00000004",
         "step-00000006",
     ]
-    killed = _interrupted_copy(run, 2, tmp_path, corrupt_after=4)
+    killed = interrupted_copy(run, 2, tmp_path, corrupt_after=4)
     resumed = train(cfg, killed, resume=True)
 
     assert "skipping checkpoint" in capfd.readouterr().err  # the corrupt step-4 one, by name
@@ -85,7 +65,7 @@ def test_a_resumed_lockstep_embodied_run_ends_with_the_uninterrupted_parameters(
     )
     train(cfg, tmp_path / "whole")
     run = tmp_path / "whole"
-    killed = _interrupted_copy(run, 1, tmp_path)
+    killed = interrupted_copy(run, 1, tmp_path)
     resumed = train(cfg, killed, resume=True)
     assert resumed["resumes"][0]["step"] == 1
     assert _max_difference(run, killed) <= 1e-6
@@ -98,7 +78,7 @@ def test_an_async_resume_keeps_the_books_and_the_staleness_bound(ray_session, tm
     base = LLM if workload == "llm" else EMBODIED
     cfg = tiny_config(*base, "mode=async", "steps=6", "max_staleness=1", "run.checkpoint_every=3")
     train(cfg, tmp_path / "whole")
-    killed = _interrupted_copy(tmp_path / "whole", 3, tmp_path)
+    killed = interrupted_copy(tmp_path / "whole", 3, tmp_path)
     resumed = train(cfg, killed, resume=True)
     samples = resumed["samples"]
     assert samples["accounted"]

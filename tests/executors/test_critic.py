@@ -9,8 +9,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
+from conftest import SMALL_LLM as SMALL
 from conftest import tiny_config
-from test_controller import SMALL
 
 from relayrl import job
 from relayrl.executors.critic import Critic

@@ -8,8 +8,8 @@ import json
 import numpy as np
 import pytest
 import torch
+from conftest import SMALL_LLM as SMALL
 from conftest import tiny_config
-from test_controller import SMALL
 from transformers import LlamaConfig, LlamaForSequenceClassification
 
 from relayrl import job

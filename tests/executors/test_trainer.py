@@ -8,12 +8,11 @@ import threading
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_config
+from conftest import assert_bit_identical, core_state, tiny_config
 
 from relayrl.algorithms.losses import LOSSES
 from relayrl.executors.generator import Generator
 from relayrl.executors.trainer import Trainer
-from relayrl.executors.trainer_core import TrainerCore
 from relayrl.observability.metrics import RunTally
 from relayrl.types import RolloutBatch, StepResult
 
@@ -247,28 +246,6 @@ def test_in_place_sync_sends_the_trained_weights_from_the_trainers_memory():
     stats = trainer.sync_stats()
     assert len(stats["stall_s"]) == 2 and stats["lost"] == {}
     trainer.close_sync()
-
-
-def core_state(trainer: TrainerCore) -> dict:
-    """What a skipped step must leave bit for bit: weights, optimizer state, schedule, version."""
-    state = trainer.state_dict()
-    return {key: state[key] for key in ("model", "optimizer", "scheduler", "version")}
-
-
-def assert_bit_identical(a, b) -> None:
-    """Nested dicts and lists of tensors and plain values, equal bit for bit."""
-    if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and torch.equal(a, b)
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys()
-        for key in a:
-            assert_bit_identical(a[key], b[key])
-    elif isinstance(a, list | tuple):
-        assert len(a) == len(b)
-        for x, y in zip(a, b, strict=True):
-            assert_bit_identical(x, y)
-    else:
-        assert a == b
 
 
 def _nan_loss(logp, mu_logp, advantages, mask, **kwargs):

@@ -9,8 +9,6 @@ checkpoint. A hang in a collective fails the test at TIMEOUT_S instead of blocki
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +16,17 @@ import numpy as np
 import pytest
 import ray
 import torch
-from conftest import tiny_config
+from conftest import (
+    ATOL,
+    TIMEOUT_S,
+    TINY_VLA,
+    nan_on_calls,
+    on_all,
+    segment,
+    tiny_config,
+    trainer_group,
+)
 from safetensors.torch import load_file
-from test_vla_trainer import TINY_VLA, nan_on_calls, segment
 
 from relayrl.config import Config, load_config
 from relayrl.executors.trainer import Trainer
@@ -29,28 +35,6 @@ from relayrl.models.lm import build_policy
 from relayrl.parallel import share
 from relayrl.types import RolloutBatch, StepResult
 from relayrl.weight_sync import TRANSPORTS
-
-TIMEOUT_S = 60
-ATOL = 1e-5
-
-
-@contextmanager
-def trainer_group(cls: type, *args: Any, world: int = 2) -> Iterator[list[Any]]:
-    """``world`` trainer actors that have joined one group, killed on exit."""
-    actor = ray.remote(num_cpus=0, max_restarts=0)(cls)
-    ranks = [actor.remote(*args, rank=rank, world=world) for rank in range(world)]
-    try:
-        host, port = ray.get(ranks[0].group_address.remote(), timeout=TIMEOUT_S)
-        on_all(ranks, "join_group", host, port)
-        yield ranks
-    finally:
-        for rank in ranks:
-            ray.kill(rank)
-
-
-def on_all(ranks: list[Any], method: str, *args: Any) -> list[Any]:
-    """Call ``method`` on every rank at once with the same arguments, as the controller does."""
-    return ray.get([getattr(r, method).remote(*args) for r in ranks], timeout=TIMEOUT_S)
 
 
 def rollouts(versions: list[int], *, seed: int, zero_signal: int | None = None) -> RolloutBatch:

@@ -8,30 +8,14 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
+from conftest import TINY_VLA, assert_bit_identical, core_state, nan_on_calls, segment
 from safetensors.torch import load_file
-from test_trainer import assert_bit_identical, core_state
 
-from relayrl.algorithms.losses import gipo_loss
 from relayrl.config import ConfigError, load_config
 from relayrl.executors.vla_trainer import VLATrainer, critic_values, micro_batches, pad_segments
 from relayrl.models.vla import VLAConfig, VLAPolicy
 from relayrl.types import Segment
 from relayrl.weight_sync import TRANSPORTS
-
-TINY_VLA = VLAConfig(
-    image_size=8,
-    patch_size=4,
-    channels=4,
-    conv_layers=1,
-    d_model=8,
-    layers=1,
-    heads=2,
-    instruction_tokens=4,
-    hash_buckets=4,
-    action_dims=2,
-    action_vocab=3,
-    max_episode_steps=8,
-)
 
 
 def make_trainer(*overrides: str) -> VLATrainer:
@@ -39,26 +23,6 @@ def make_trainer(*overrides: str) -> VLATrainer:
         None, ["workload=embodied", "env.image_size=8", "vla.patch_size=4", *overrides]
     )
     return VLATrainer(cfg, TINY_VLA)
-
-
-def segment(length: int, *, seed: int, version: int = 0, terminated: bool = False) -> Segment:
-    rng = np.random.default_rng(seed)
-    return Segment(
-        worker=0,
-        episode=seed,
-        task="t",
-        instruction=["go to the red ball", "open the door"][seed % 2],
-        images=rng.integers(0, 256, (length + 1, 1, 8, 8, 3), dtype=np.uint8),
-        steps=np.arange(length + 1, dtype=np.int64) + seed,
-        actions=rng.integers(0, 3, (length, 2)),
-        logprobs=np.full((length, 2), -1.1, np.float32),
-        values=np.zeros(length, np.float32),
-        rewards=rng.random(length).astype(np.float32),
-        versions=np.full(length, version, np.int64),
-        terminated=terminated,
-        episode_done=terminated,
-        success=terminated,
-    )
 
 
 def naive_gae(policy: VLAPolicy, seg: Segment, gamma: float, lam: float) -> np.ndarray:
@@ -210,18 +174,6 @@ def test_vla_path_of_other_sizes_or_no_policy_is_refused_naming_the_difference(t
     with pytest.raises(ConfigError, match="vla_config.json and model.safetensors missing"):
         check_saved_vla(str(tmp_path), TINY_VLA)
     check_saved_vla(path, TINY_VLA)  # the same sizes pass
-
-
-def nan_on_calls(*calls: int):
-    """The trainer's loss, but a nan (with finite, zero gradients) on the given 0-based calls:
-    one call per minibatch."""
-    count = iter(range(1_000_000))
-
-    def loss_fn(logp, mu_logp, advantages, mask, **kwargs):
-        loss, stats = gipo_loss(logp, mu_logp, advantages, mask, **kwargs)
-        return (loss + float("nan") if next(count) in calls else loss), stats
-
-    return loss_fn
 
 
 def test_a_step_whose_only_minibatch_is_non_finite_takes_no_step_and_is_counted():

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import ray
 import torch
+from conftest import ATOL, TIMEOUT_S, on_all, trainer_group
 
 from relayrl.config import load_config
 from relayrl.data.trajectories import Episode
@@ -251,8 +252,6 @@ def test_published_weights_serve_imagination_requests_in_batches():
 def test_two_ranks_take_the_step_one_trainer_takes(ray_session):
     """Rank 0 holds B_wm and draws; each rank trains on its block of the batch (3 and 2 of 5
     samples), gradients summed: both ranks end with the weights and losses of one trainer."""
-    from test_trainer_ranks import ATOL, TIMEOUT_S, on_all, trainer_group
-
     args = trainer_args(
         "world_model.train_obs_every=1",
         "world_model.train_reward_every=2",
