@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 
 from relayrl.launch import Group
 from relayrl.observability.metrics import RunTally
@@ -36,37 +35,48 @@ class FakeSync:
 
 
 class FakeWorkload:
-    """Makes a new actor per ``recreate``, slowly (``delay_s``), and counts them."""
+    """Makes a new actor per ``recreate`` once the test releases it, and counts them."""
 
-    def __init__(self, delay_s: float = 0.0):
-        self.delay_s = delay_s
+    def __init__(self, released: bool = True):
         self.made: list[FakeActor] = []
         self.lock = threading.Lock()
+        self.started, self.release = threading.Event(), threading.Event()
+        if released:
+            self.release.set()
 
     def recreate(self, role: str, index: int, incarnation: int) -> FakeActor:
-        time.sleep(self.delay_s)
+        self.started.set()
+        assert self.release.wait(10), "the test never released the recreate"
         with self.lock:
             self.made.append(FakeActor(100 + len(self.made)))
             return self.made[-1]
 
 
-def _setup(delay_s: float = 0.0) -> tuple[Recovery, Group, FakeWorkload, RunTally]:
+def _setup(released: bool = True) -> tuple[Recovery, Group, FakeWorkload, RunTally]:
     tally = RunTally(steps=1, progress=False)
-    workload = FakeWorkload(delay_s)
+    workload = FakeWorkload(released)
     group = Group("rewarder", [FakeActor(1)])
     return Recovery(workload, FakeSync(), tally), group, workload, tally
 
 
 def test_one_death_seen_by_two_loops_is_recorded_once_with_both_losses():
-    recovery, group, workload, tally = _setup(delay_s=0.05)
+    recovery, group, workload, tally = _setup(released=False)
     dead = group[0]
     err = RuntimeError("gone")
 
     async def both() -> list:
-        return await asyncio.gather(
+        calls = asyncio.gather(
             recovery.replace(group, 0, err, lost=16, dead=dead),
             recovery.replace(group, 0, err, lost=8, unfinished=3, dead=dead),
         )
+        assert await asyncio.to_thread(workload.started.wait, 10)
+        for _ in range(100):  # a few turns of the loop: the second call books, then waits
+            if tally.lost == 24:
+                break
+            await asyncio.sleep(0)
+        assert tally.lost == 24  # both calls booked while the first one's recreate is held
+        workload.release.set()
+        return await calls
 
     new = asyncio.run(both())
     assert len(workload.made) == 1 and new == [workload.made[0]] * 2
@@ -87,13 +97,14 @@ def test_one_death_seen_by_two_loops_is_recorded_once_with_both_losses():
 
 
 def test_a_replacement_finishes_when_its_loop_is_cancelled():
-    recovery, group, workload, tally = _setup(delay_s=0.2)
+    recovery, group, workload, tally = _setup(released=False)
     dead = group[0]
 
     async def cancelled() -> None:
         task = asyncio.ensure_future(recovery.replace(group, 0, RuntimeError("gone")))
-        await asyncio.sleep(0.05)  # inside the recreate
+        assert await asyncio.to_thread(workload.started.wait, 10)  # inside the recreate
         task.cancel()
+        workload.release.set()  # the recreate ends after its loop was cancelled
         await asyncio.gather(task, return_exceptions=True)
         assert task.cancelled()
 

@@ -65,6 +65,15 @@ def obs(pixel: int, step: int) -> Observation:
     return Observation(np.full((2, 4, 4, 3), pixel, np.uint8), f"go to {pixel}", "t", step)
 
 
+async def until(condition, turns: int = 1000) -> None:
+    """Give the event loop turns until ``condition()`` holds (fails after ``turns``)."""
+    for _ in range(turns):
+        if condition():
+            return
+        await asyncio.sleep(0.001)
+    raise AssertionError("the condition never held")
+
+
 def check(reply, pixel: int, step: int, scale: float = 1.0) -> None:
     assert reply.actions.tolist() == [pixel, step]
     np.testing.assert_allclose(reply.logprobs, [-pixel / 1000, -step / 1000], rtol=1e-6)
@@ -113,7 +122,8 @@ def test_weight_swap_waits_for_the_forward_in_flight_and_holds_new_batches():
         assert await asyncio.to_thread(policy.started.wait, 10)
         swap = asyncio.create_task(service.set_weights({"scale": torch.tensor(2.0)}, version=1))
         later = [asyncio.create_task(service.act(obs(p, p))) for p in (4, 5)]
-        await asyncio.sleep(0.05)
+        # The swap has begun (it holds the weights lock) and both later requests are queued.
+        await until(lambda: service._weights_lock.locked() and len(service._pending) == 2)
         assert not swap.done()  # the first forward pass is still running
         assert policy.log == [("start", 1.0, 3, False)]
         policy.release.set()
@@ -344,7 +354,7 @@ def test_without_early_drain_requests_wait_for_the_whole_transfer(monkeypatch):
         update = asyncio.create_task(service.update_weights(transfer.publish(1, 2.0)))
         assert await asyncio.to_thread(transfer.started.wait, 10)
         during = [asyncio.create_task(service.act(obs(p, p))) for p in (1, 2, 3)]
-        await asyncio.sleep(0.05)
+        await until(lambda: len(service._pending) == 1)  # a batch of two formed, one left over
         assert policy.log == []  # no forward pass while the transfer holds the model
         transfer.release.set()
         return await asyncio.gather(*during), await update
@@ -368,8 +378,8 @@ def test_early_drain_swaps_after_the_forward_in_flight_and_holds_new_batches(mon
         assert await asyncio.to_thread(policy.started.wait, 10)
         update = asyncio.create_task(service.update_weights(transfer.publish(1, 2.0)))
         later = [asyncio.create_task(service.act(obs(p, p))) for p in (4, 5)]
-        await asyncio.sleep(0.05)
-        assert not update.done()  # the transfer is done; the swap waits for the forward
+        await until(lambda: transfer.started.is_set() and len(service._pending) == 2)
+        assert not update.done()  # the transfer is under way; the swap waits for the forward
         policy.release.set()
         return await asyncio.gather(*first), await update, await asyncio.gather(*later)
 
