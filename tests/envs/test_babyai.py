@@ -148,17 +148,6 @@ def test_sampling_rejected_lines_are_silenced(capsys):
     assert capsys.readouterr().out == ""
 
 
-def test_steps_per_second_reported():
-    env, rng = BabyAIEnv(LEVEL, distractor_fails=False), np.random.default_rng(0)
-    env.reset()
-    start, steps = time.perf_counter(), 2000
-    for _ in range(steps):
-        r = env.step(int(rng.integers(3)))
-        if r.terminated or r.truncated:
-            env.reset()
-    print(f"BabyAI {LEVEL} 56x56: {steps / (time.perf_counter() - start):.0f} steps/s")
-
-
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
