@@ -33,6 +33,7 @@ from pathlib import Path
 import matplotlib
 import matplotlib.pyplot as plt
 
+from relayrl.rewards.math import SCORER
 from relayrl.rewards.math import _score_unbounded as score  # in-process: no sandbox
 from relayrl.rewards.sandbox import ScoringPool
 
@@ -138,7 +139,7 @@ def run_in_process(pairs: list[tuple[str, str]]) -> dict:
 def run_pool(pairs: list[tuple[str, str]], workers: int, timeout_s: float) -> dict:
     """Score through a fresh ScoringPool with the given number of worker processes."""
     start = time.perf_counter()
-    with ScoringPool(workers=workers, timeout_s=timeout_s) as pool:
+    with ScoringPool(SCORER, workers=workers, timeout_s=timeout_s) as pool:
         started = time.perf_counter()
         scores = pool.score_batch(pairs)
         seconds = time.perf_counter() - started
@@ -195,5 +196,5 @@ def markdown_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":  # the pool's workers re-import this script: keep it guarded
+if __name__ == "__main__":
     sys.exit(main())

@@ -237,18 +237,37 @@ class GeneratorConfig(_Section):
 class RewarderConfig(_Section):
     """Rule-based scoring of completions."""
 
-    scorer: Literal["exact_answer", "math"] = Field(
+    scorer: str = Field(
         "exact_answer",
         description="exact_answer: the stripped completion equals the reference; math: answer "
-        "extraction and equivalence (relayrl.rewards.math) in a sandboxed process pool.",
+        "extraction and equivalence (relayrl.rewards.math); or 'module:function', a rule of your "
+        "own, (completion, reference) -> float. math and rules run in a sandboxed process pool.",
     )
-    workers: int = Field(2, ge=1, description="math: scoring worker processes.")
-    timeout_s: float = Field(5.0, gt=0, description="math: per-item wall-clock limit; scores 0.")
-    memory_mb: int = Field(1024, ge=64, description="math: address-space limit of each worker.")
+    workers: int = Field(2, ge=1, description="math or a rule: scoring worker processes.")
+    timeout_s: float = Field(
+        5.0, gt=0, description="math or a rule: per-item wall-clock limit; scores 0."
+    )
+    memory_mb: int = Field(
+        1024, ge=64, description="math or a rule: address-space limit of each worker."
+    )
     replicas: int = Field(
         1, ge=1, description="Rewarder replicas; in async mode each runs its own scoring loop."
     )
     resources: dict[str, float] = _resources("rewarder")
+
+    @field_validator("scorer")
+    @classmethod
+    def _scorer_known(cls, value: str) -> str:
+        if value in ("exact_answer", "math"):
+            return value
+        from relayrl.rewards.sandbox import check_scorer
+
+        try:
+            check_scorer(value)
+        except ValueError as error:
+            reason = str(error).removeprefix(f"scorer {value!r}: ")
+            raise ValueError(f"{reason} (the built-in scorers: exact_answer, math)") from None
+        return value
 
 
 class RewardModelConfig(_Section):

@@ -1,4 +1,5 @@
-"""Rewarder: exact and math scoring of decoded completions, failures contained and counted."""
+"""Rewarder: exact, math and user-rule scoring of decoded completions, failures contained and
+counted."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import text_batch, tiny_config
 
+from relayrl.config import ConfigError
 from relayrl.executors.rewarder import Rewarder
 from relayrl.models.lm import load_tokenizer
 
@@ -96,26 +98,69 @@ def test_a_math_scorer_that_raises_in_the_pool_is_counted_and_scores_zero():
         rewarder.close()
 
 
-def test_a_closed_math_rewarder_leaves_no_multiprocessing_temp_dirs(tmp_path):
-    # In a fresh interpreter whose temp dir is tmp_path (others' jobs share /tmp): the forkserver
-    # behind the pool puts its socket in a temp dir, which must be gone once the rewarder closes,
-    # before the interpreter exits (a Ray actor is killed, so exit handlers never run).
-    code = (
+def test_a_user_rule_runs_sandboxed_and_a_forever_loop_is_a_timeout():
+    cfg = tiny_config(
+        "model.tokenizer=builtin:byte",
+        "rewarder.scorer=scoring_rules:exact_or_loop",  # tests/scoring_rules.py
+        "rewarder.workers=1",
+        "rewarder.timeout_s=1",
+    )
+    rewarder = Rewarder(cfg)
+    try:
+        completions = ["975", "loop", "976", "975"]
+        batch = text_batch(load_tokenizer("builtin:byte"), completions, ["975"] * 4, [True] * 4)
+        summary, scored = rewarder.score(batch)
+        assert scored.rewards.tolist() == [1.0, 0.0, 0.0, 1.0]
+        assert summary["timeouts"] == 1 and summary["errors"] == 0
+        assert rewarder.stats()["timeouts"] == 1 and rewarder.stats()["scored"] == 4
+        assert rewarder.pool.counters == {"timeouts": 1, "errors": 0, "scored": 4}
+    finally:
+        rewarder.close()
+
+
+@pytest.mark.parametrize(
+    ("scorer", "reason"),
+    [
+        ("nope.mod:fn", "No module named 'nope'"),
+        ("maths", "expected 'module:function'"),
+    ],
+)
+def test_a_rule_that_cannot_be_found_is_refused_by_the_config_naming_it(scorer, reason):
+    with pytest.raises(ConfigError) as info:
+        tiny_config(f"rewarder.scorer={scorer}")
+    assert f"rewarder.scorer = '{scorer}': {reason}" in str(info.value)
+    assert "exact_answer, math" in str(info.value)
+
+
+def test_a_rule_that_is_not_a_function_is_refused_when_the_rewarder_starts():
+    cfg = tiny_config("rewarder.scorer=scoring_rules:NOT_A_FUNCTION")
+    with pytest.raises(ValueError, match="scorer 'scoring_rules:NOT_A_FUNCTION': .* not callable"):
+        Rewarder(cfg)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_closed_math_rewarder_leaves_no_process_and_no_temp_dir(tmp_path):
+    # In a fresh interpreter whose temp dir is tmp_path (others' jobs share /tmp), from a script
+    # with no main guard: once the rewarder closes, before the interpreter exits (a Ray actor is
+    # killed, so exit handlers never run), its scoring processes are gone and no temp dir is left.
+    script = tmp_path / "script.py"
+    script.write_text(
         "import os, sys\n"
+        "from pathlib import Path\n"
         f"sys.path.insert(0, {str(Path(__file__).parents[1])!r})\n"
         "from conftest import tiny_config\n"
         "from relayrl.executors.rewarder import Rewarder\n"
-        "if __name__ == '__main__':\n"
-        "    cfg = tiny_config('rewarder.scorer=math', 'rewarder.workers=2')\n"
-        "    rewarder = Rewarder(cfg)\n"
-        "    assert rewarder.pool.score_batch([('\\\\boxed{2}', '2')]) == [1.0]\n"
-        "    assert os.listdir(os.environ['TMPDIR']), 'the pool should own a temp dir'\n"
-        "    rewarder.close()\n"
-        "    left = os.listdir(os.environ['TMPDIR'])\n"
-        "    assert not left, left\n"
-        "    os._exit(0)\n"
+        "rewarder = Rewarder(tiny_config('rewarder.scorer=math', 'rewarder.workers=2'))\n"
+        "assert rewarder.pool.score_batch([('\\\\boxed{2}', '2')]) == [1.0]\n"
+        "pids = [rewarder.pool._server.pid] + [w.pid for w in rewarder.pool._workers]\n"
+        "rewarder.close()\n"
+        "assert not [pid for pid in pids if Path(f'/proc/{pid}').exists()], pids\n"
+        "assert not os.listdir(os.environ['TMPDIR'])\n"
+        "os._exit(0)\n"
     )
-    env = {**os.environ, "TMPDIR": str(tmp_path)}
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    env = {**os.environ, "TMPDIR": str(temp)}
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env)
     assert result.returncode == 0, result.stderr
-    assert list(tmp_path.iterdir()) == []
+    assert list(temp.iterdir()) == []

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from relayrl.rewards.math import SCORER
 from relayrl.rewards.sandbox import ScoringPool
 
 DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
@@ -46,7 +47,7 @@ def own_and_other(rows: list[dict], response, answer, same) -> tuple[list, list]
 @pytest.fixture(scope="module")
 def pool():
     # A generous timeout: a timed-out row would count as a miss, and the machine may be busy.
-    with ScoringPool(workers=2, timeout_s=20.0) as pool:
+    with ScoringPool(SCORER, workers=2, timeout_s=20.0) as pool:
         yield pool
 
 

@@ -8,7 +8,10 @@ when either side changes.
 
 from __future__ import annotations
 
+import os
 import resource
+import subprocess
+import sys
 import time
 
 import pytest
@@ -183,6 +186,33 @@ def test_the_table_covers_every_answer_kind_both_ways():
 @pytest.mark.parametrize(("response", "reference", "expected", "raw_note"), ROWS)
 def test_score(response, reference, expected, raw_note):
     assert score(response, reference) == expected  # the public, sandboxed entry
+
+
+SCRIPT = 'from relayrl.rewards.math import score\nprint(score("\\\\boxed{1/2}", "0.5"))\n'
+
+
+@pytest.mark.parametrize(
+    "how", [["t.py"], ["-"], ["-i"]], ids=["script-file", "stdin", "interactive"]
+)
+def test_score_works_from_a_script_without_the_main_guard(tmp_path, how):
+    # The two lines, run as a file, piped to `python -` and typed into an interactive session:
+    # the scoring worker must not re-run the caller's main module.
+    script = tmp_path / "t.py"
+    script.write_text(SCRIPT)
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    with script.open() as stdin:
+        result = subprocess.run(
+            [sys.executable, *how],
+            stdin=stdin,
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+            env={**os.environ, "TMPDIR": str(temp)},
+        )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["1.0"]
+    assert list(temp.iterdir()) == [], "no temp dir is left behind"
 
 
 @pytest.mark.parametrize(("response", "reference", "expected", "raw_note"), ROWS[:10])

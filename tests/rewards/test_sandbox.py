@@ -1,7 +1,9 @@
-"""ScoringPool: hostile model outputs score 0 within the time limit and the pool keeps working."""
+"""ScoringPool: hostile model outputs and user rules score 0 within the time limit, the pool keeps
+working, and no process or temp dir outlives it."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -14,6 +16,9 @@ import pytest
 
 from relayrl.rewards.sandbox import ScoringPool
 
+SCORER = "relayrl.rewards.math:_score_unbounded"
+TESTS = str(Path(__file__).parents[1])  # holds scoring_rules.py
+
 TIMEOUT_S = 2.0
 HANG_GUARD_S = TIMEOUT_S * 3 + 5  # not a performance bound: only proves nothing hangs
 NORMAL = ("So $x = \\boxed{\\frac{1}{2}}$.", "0.5")
@@ -21,7 +26,7 @@ NORMAL = ("So $x = \\boxed{\\frac{1}{2}}$.", "0.5")
 
 @pytest.fixture(scope="module")
 def pool():
-    with ScoringPool(workers=2, timeout_s=TIMEOUT_S, memory_mb=1024) as pool:
+    with ScoringPool(SCORER, workers=2, timeout_s=TIMEOUT_S, memory_mb=1024) as pool:
         yield pool
 
 
@@ -95,22 +100,22 @@ def test_a_hung_item_does_not_hold_up_the_rest_of_the_batch(pool):
 
 def test_a_worker_that_dies_mid_item_is_counted_and_replaced():
     # Stands in for a segfault or the kernel's OOM killer: the worker vanishes mid-item.
-    with ScoringPool(workers=1, timeout_s=30.0) as pool:
-        pid = pool._workers[0].process.pid
+    with ScoringPool(SCORER, workers=1, timeout_s=30.0) as pool:
+        pid = pool._workers[0].pid
         threading.Timer(0.5, os.kill, (pid, signal.SIGKILL)).start()
         scores, elapsed = timed(pool, [("\\boxed{9^{9^{9^{9^{9}}}}}", "1")])
         assert scores == [0.0]
         assert elapsed < 10, "a dead worker must be noticed at once, not at the timeout"
         assert pool.counters == {"timeouts": 0, "errors": 1, "scored": 1}
-        assert pool._workers[0].process.pid != pid
+        assert pool._workers[0].pid != pid
         assert pool.score_batch([NORMAL]) == [1.0]
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/<pid>/limits")
 def test_an_item_beyond_the_memory_limit_kills_only_its_worker():
     # 200 MB of text cannot even be received by a worker limited to 256 MB of address space.
-    with ScoringPool(workers=1, timeout_s=TIMEOUT_S, memory_mb=256) as pool:
-        pid = pool._workers[0].process.pid
+    with ScoringPool(SCORER, workers=1, timeout_s=TIMEOUT_S, memory_mb=256) as pool:
+        pid = pool._workers[0].pid
         limits = Path(f"/proc/{pid}/limits").read_text()
         assert f"Max address space         {256 * 2**20}" in limits
         scores, elapsed = timed(pool, [("x" * 200_000_000, "1"), NORMAL])
@@ -120,80 +125,162 @@ def test_an_item_beyond_the_memory_limit_kills_only_its_worker():
 
 
 def test_a_closed_pool_refuses_work():
-    pool = ScoringPool(workers=1)
+    pool = ScoringPool(SCORER, workers=1)
     pool.close()
     with pytest.raises(RuntimeError, match="closed"):
         pool.score_batch([NORMAL])
 
 
-def test_the_calling_process_never_loads_the_parser():
+def run_python(code: str, tmp_path: Path) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter, from a script file with no main guard, whose temp dir
+    is ``tmp_path`` (others' jobs share /tmp) and which can import scoring_rules. Its output goes
+    to files, not pipes, so that a process it leaves behind cannot hold this test up."""
+    script = tmp_path / "script.py"
+    script.write_text(code)
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    env = {**os.environ, "TMPDIR": str(temp), "PYTHONPATH": TESTS}
+    out, err = tmp_path / "stdout", tmp_path / "stderr"
+    with out.open("w") as stdout, err.open("w") as stderr:
+        returncode = subprocess.run(
+            [sys.executable, str(script)], stdout=stdout, stderr=stderr, env=env, cwd=tmp_path
+        ).returncode
+    return subprocess.CompletedProcess(script, returncode, out.read_text(), err.read_text())
+
+
+def alive(pid: int) -> bool:
+    """Whether a process with this pid exists and is not a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_the_calling_process_never_loads_the_parser(tmp_path):
     # Model output is parsed only in the workers: the parent does not even import sympy.
     code = (
         "import sys\n"
         "from relayrl.rewards.sandbox import ScoringPool\n"
-        "if __name__ == '__main__':\n"
-        "    with ScoringPool(workers=1) as pool:\n"
-        "        assert pool.score_batch([('\\\\boxed{2}', '2')]) == [1.0]\n"
-        "    loaded = [m for m in ('sympy', 'math_verify', 'latex2sympy2_extended')"
-        " if m in sys.modules]\n"
-        "    assert not loaded, loaded\n"
+        f"with ScoringPool({SCORER!r}, workers=1) as pool:\n"
+        "    assert pool.score_batch([('\\\\boxed{2}', '2')]) == [1.0]\n"
+        "parsers = ('sympy', 'math_verify', 'latex2sympy2_extended')\n"
+        "loaded = [m for m in parsers if m in sys.modules]\n"
+        "assert not loaded, loaded\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    result = run_python(code, tmp_path)
     assert result.returncode == 0, result.stderr
 
 
-def test_closed_pools_leave_no_multiprocessing_temp_dirs(tmp_path):
-    # In a fresh interpreter whose temp dir is tmp_path (others' jobs share /tmp). The forkserver
-    # listens on a socket in a temp dir; multiprocessing would make it a pymp-* directory removed
-    # only at a normal exit, which a killed Ray actor never reaches. After the last pool closes
-    # (and, for score(), at exit) nothing is left, and a later pool starts a fresh forkserver.
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_closed_pools_leave_no_process_and_no_temp_dir(tmp_path):
+    # A script with no main guard opens pools (nested, twice) and the shared pool of score(). Once
+    # a pool has closed, its server and workers are gone, reaped; nothing is ever written to the
+    # temp dir (multiprocessing would leave a pymp-* directory when a Ray actor is killed).
     code = (
-        "import os, sys\n"
+        "import json, os\n"
+        "from pathlib import Path\n"
         "from relayrl.rewards.sandbox import ScoringPool\n"
-        "def left(): return sorted(os.listdir(os.environ['TMPDIR']))\n"
-        "if __name__ == '__main__':\n"
-        "    for _ in range(2):\n"
-        "        with ScoringPool(workers=2) as a, ScoringPool(workers=1) as b:\n"
-        "            assert a.score_batch([('\\\\boxed{2}', '2')]) == [1.0]\n"
-        "            assert len(left()) == 1 and left()[0].startswith('relayrl-scoring-'), left()\n"
-        "            a.close()\n"
-        "            assert b.score_batch([('\\\\boxed{2}', '2')]) == [1.0]\n"
-        "            assert len(left()) == 1, 'still in use by the second pool'\n"
-        "        assert left() == [], left()\n"
-        "    from relayrl.rewards.math import score\n"
-        "    assert score('\\\\boxed{2}', '2') == 1.0\n"
-        "    assert len(left()) == 1\n"
+        "def pids(pool): return [pool._server.pid] + [w.pid for w in pool._workers]\n"
+        "def left(): return os.listdir(os.environ['TMPDIR'])\n"
+        "def gone(pids): return not any(Path(f'/proc/{pid}').exists() for pid in pids)\n"
+        "for _ in range(2):\n"
+        f"    with ScoringPool({SCORER!r}, workers=2) as a, ScoringPool({SCORER!r}, 1) as b:\n"
+        "        assert a.score_batch([('\\\\boxed{2}', '2')]) == [1.0]\n"
+        "        first, second = pids(a), pids(b)\n"
+        "        assert len(first) == 3 and not gone(first) and left() == [], left()\n"
+        "        a.close()\n"
+        "        assert gone(first) and not gone(second)\n"
+        "        assert b.score_batch([('\\\\boxed{2}', '2')]) == [1.0]\n"
+        "    assert gone(second) and left() == [], left()\n"
+        "from relayrl.rewards.math import score\n"
+        "assert score('\\\\boxed{2}', '2') == 1.0\n"
+        "assert left() == []\n"
     )
-    env = {**os.environ, "TMPDIR": str(tmp_path)}
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    result = run_python(code, tmp_path)
     assert result.returncode == 0, result.stderr
-    assert list(tmp_path.iterdir()) == [], "score()'s shared pool is closed at exit"
+    assert list((tmp_path / "tmp").iterdir()) == []
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_killed_caller_leaves_no_worker_behind(tmp_path):
+    # A Ray actor is killed with SIGKILL, mid-batch: no exit handler runs. The server reads
+    # end-of-file on its socket and kills its workers, the hung one included.
+    marker = tmp_path / "hung"
+    code = (
+        "import json, os, signal, sys, threading\n"
+        "from relayrl.rewards.sandbox import ScoringPool\n"
+        "pool = ScoringPool('scoring_rules:touch_then_loop', workers=2, timeout_s=600)\n"
+        "print(json.dumps([pool._server.pid] + [w.pid for w in pool._workers]), flush=True)\n"
+        f"threading.Thread(target=pool.score_batch, args=([('x', {str(marker)!r})],)).start()\n"
+        f"while not os.path.exists({str(marker)!r}):\n"
+        "    pass\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    result = run_python(code, tmp_path)
+    assert result.returncode == -signal.SIGKILL, result.stderr
+    assert marker.exists(), "an item was in flight when the caller died"
+    pids = json.loads(result.stdout)
+    deadline = time.monotonic() + 60  # not a performance bound: only proves they go
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(pid) for pid in pids), [pid for pid in pids if alive(pid)]
+
+
+def test_a_rule_that_loops_forever_scores_zero_and_is_counted():
+    # Any scorer runs under the same limits and counters as the math one.
+    with ScoringPool("scoring_rules:exact_or_loop", workers=1, timeout_s=TIMEOUT_S) as pool:
+        scores, elapsed = timed(pool, [("a", "a"), ("loop", "a"), ("b", "a"), ("a", "a")])
+        assert scores == [1.0, 0.0, 0.0, 1.0]
+        assert elapsed < HANG_GUARD_S
+        assert pool.counters == {"timeouts": 1, "errors": 0, "scored": 4}
+
+
+@pytest.mark.parametrize(
+    ("scorer", "message"),
+    [
+        ("nope.mod:fn", "scorer 'nope.mod:fn': no module named 'nope'"),
+        ("scoring_rules:missing", "scorer 'scoring_rules:missing': module 'scoring_rules' has no"),
+        ("scoring_rules:NOT_A_FUNCTION", "NOT_A_FUNCTION is a int, not callable"),
+        ("scoring_rules.exact_or_loop", "expected 'module:function'"),
+    ],
+)
+def test_a_scorer_that_does_not_import_or_call_is_refused_naming_it(scorer, message):
+    with pytest.raises(ValueError) as info:
+        ScoringPool(scorer, workers=1)
+    assert message.lower() in str(info.value).lower()
+    assert "\n" not in str(info.value)
 
 
 def test_score_in_forked_children_uses_their_own_pool(tmp_path):
     # A child forked after the parent used score() must not talk to the parent's worker or
-    # forkserver: it starts its own, bounded as well, and removes it when it exits.
+    # server: it starts its own, bounded as well, and stops it when it exits. The parent's pool
+    # keeps working.
     code = (
         "import multiprocessing, os\n"
         "from relayrl.rewards.math import score\n"
+        "from relayrl.rewards.sandbox import _shared\n"
         "def job(queue):\n"
         "    queue.put([score('\\\\boxed{3}', '3'), score(TOWER, '1', timeout_s=1)])\n"
+        "    queue.put([pool._server.pid for pool in _shared.values()])\n"
         "TOWER = '\\\\boxed{9^{9^{9^{9}}}}'\n"
-        "if __name__ == '__main__':\n"
-        "    assert score('\\\\boxed{2}', '2') == 1.0\n"
-        "    context = multiprocessing.get_context('fork')\n"
-        "    queue = context.Queue()\n"
-        "    children = [context.Process(target=job, args=(queue,)) for _ in range(2)]\n"
-        "    for child in children:\n"
-        "        child.start()\n"
-        "    assert [queue.get(timeout=120) for _ in children] == [[1.0, 0.0]] * 2\n"
-        "    for child in children:\n"
-        "        child.join()\n"
-        "        assert child.exitcode == 0\n"
-        "    assert len(os.listdir(os.environ['TMPDIR'])) == 1, 'only the parent pool is left'\n"
-        "    assert score('\\\\boxed{2}', '2') == 1.0\n"
+        "assert score('\\\\boxed{2}', '2') == 1.0\n"
+        "parent = [pool._server.pid for pool in _shared.values()]\n"
+        "context = multiprocessing.get_context('fork')\n"
+        "queue = context.Queue()\n"
+        "children = [context.Process(target=job, args=(queue,)) for _ in range(2)]\n"
+        "for child in children:\n"
+        "    child.start()\n"
+        "for child in children:\n"
+        "    assert queue.get(timeout=120) == [1.0, 0.0]\n"
+        "    servers = queue.get(timeout=120)\n"
+        "    assert len(servers) == 1 and servers != parent, (servers, parent)\n"
+        "for child in children:\n"
+        "    child.join()\n"
+        "    assert child.exitcode == 0\n"
+        "assert [pool._server.pid for pool in _shared.values()] == parent\n"
+        "assert score('\\\\boxed{2}', '2') == 1.0\n"
     )
-    env = {**os.environ, "TMPDIR": str(tmp_path)}
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    result = run_python(code, tmp_path)
     assert result.returncode == 0, result.stderr
-    assert list(tmp_path.iterdir()) == []
+    assert list((tmp_path / "tmp").iterdir()) == []

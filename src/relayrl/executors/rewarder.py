@@ -1,13 +1,14 @@
 """Rewarder executor: scores completions' text (decoded by the generator that sampled them) with a
-rule-based scorer (the config's ``rewarder.scorer``, or a ``rule`` function of the user's, run in
-this process). It loads no tokenizer and imports no torch, so a rewarder starts in about a second.
+rule-based scorer: the config's ``rewarder.scorer`` (a built-in name, or a ``module:function`` rule
+of the user's), or a ``rule`` function handed to the pipeline, run in this process. It loads no
+tokenizer and imports no torch, so a rewarder starts in about a second.
 
 A completion that did not end with EOS scores 0 (it was cut at the length limit). A scorer that
 raises scores 0 for that sample and is counted in ``errors`` (and the batch's ``score_errors``); the
-run goes on. The ``math`` scorer runs in a ``ScoringPool`` (worker processes with a time and a
-memory limit), where an item that raises or kills its worker is counted the same way and one that
-times out scores 0 and is counted in ``timeouts``. ``close()`` stops the pool and leaves no
-multiprocessing temp directory behind.
+run goes on. The ``math`` scorer and ``module:function`` rules run in a ``ScoringPool`` (worker
+processes with a time and a memory limit), where an item that raises or kills its worker is
+counted the same way and one that times out (a rule that loops forever) scores 0 and is counted in
+``timeouts``. ``close()`` stops the pool's processes.
 """
 
 from __future__ import annotations
@@ -24,7 +25,10 @@ from relayrl.rewards.exact import exact_answer
 from relayrl.rewards.sandbox import ScoringPool
 from relayrl.types import RolloutBatch
 
+# Run in this process: exact matching is safe and cheap.
 SCORERS: dict[str, Callable[[str, str], float]] = {"exact_answer": exact_answer}
+# Run in a ScoringPool: they parse model output. By name, so that this process never loads sympy.
+SANDBOXED: dict[str, str] = {"math": "relayrl.rewards.math:_score_unbounded"}
 
 
 class Rewarder:
@@ -34,10 +38,12 @@ class Rewarder:
 
     def __init__(self, cfg: Config, rule: Callable[[str, str], float] | None = None):
         rc = cfg.rewarder
-        # Scorers that parse model output (math) run in a sandboxed pool; exact matching is safe
-        # and cheap enough to run here.
-        sandboxed = rule is None and rc.scorer == "math"
-        self.pool = ScoringPool(rc.workers, rc.timeout_s, rc.memory_mb) if sandboxed else None
+        sandboxed = rule is None and rc.scorer not in SCORERS  # math, or a module:function rule
+        self.pool = (
+            ScoringPool(SANDBOXED.get(rc.scorer, rc.scorer), rc.workers, rc.timeout_s, rc.memory_mb)
+            if sandboxed
+            else None
+        )
         self.scorer = rule if rule is not None else SCORERS.get(rc.scorer)
         self.tracer = Tracer(self.name)
         self.scored = 0

@@ -15,11 +15,13 @@ Parsing and comparing run sympy on model output, which can hang or exhaust memor
 (``\\boxed{9^{9^{9^{9}}}}``, a 50,000-term sum). ``score`` is therefore bounded: it scores in a
 worker process with a per-item time limit (``sandbox.DEFAULT_TIMEOUT_S``, 5 s) and an
 address-space limit (``sandbox.DEFAULT_MEMORY_MB``, 1 GiB), and returns 0.0 past either. Many
-items go faster through ``relayrl.rewards.sandbox.ScoringPool.score_batch``, as the rewarder does.
+items go faster through ``ScoringPool(SCORER).score_batch`` (``relayrl.rewards.sandbox``), as the
+rewarder does.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 from functools import lru_cache
 
@@ -43,6 +45,11 @@ _NUMBER_THEN_WORDS = re.compile(
 # Dollar signs and spaces around the answer, and the full stop that ends its sentence.
 _WRAPPING = re.compile(r"^[\s$]+|[\s$.]+$")
 _LATEX_ONLY = [LatexExtractionConfig()]
+# What the sandbox's workers run: ``score`` itself, unbounded.
+SCORER = "relayrl.rewards.math:_score_unbounded"
+
+# math-verify warns once per process that its signal timeouts are off: the sandbox bounds time.
+logging.getLogger("math_verify").setLevel(logging.ERROR)
 
 
 def last_boxed(text: str) -> str | None:
@@ -136,9 +143,8 @@ def score(response: str, reference: str, *, timeout_s: float = DEFAULT_TIMEOUT_S
 
     Runs in a worker process shared by this process (the first call starts it: 0.4-3 s):
     0.0 if scoring takes over ``timeout_s`` seconds, needs over 1 GiB of address space or raises.
-    Scripts that call it need the ``if __name__ == "__main__":`` guard (the worker re-imports them).
     """
-    return score_one(response, reference, timeout_s)
+    return score_one(SCORER, response, reference, timeout_s)
 
 
 def _score_unbounded(response: str, reference: str) -> float:

@@ -1,55 +1,119 @@
-"""A pool of worker processes that score math answers under a time and a memory limit.
+"""A pool of worker processes that run a scorer under a time and a memory limit.
 
-Scoring parses model output with sympy, which can be made to hang (``9^{9^{9^{9}}}``), to eat
-memory or to recurse without end. ``ScoringPool`` keeps that out of the calling process: each
-worker is a ``multiprocessing`` process with its own ``Pipe`` and ``RLIMIT_AS``; it is given one
-item at a time, and a worker that overruns ``timeout_s`` or dies is killed and replaced while the
-rest of the batch goes on. Such an item scores 0 and is counted.
+A scorer is a function ``(response, reference) -> float`` named ``"module:function"``: the math
+scorer, or a rule of the user's. Scoring can run model output through a parser (sympy can be made
+to hang on ``9^{9^{9^{9}}}``, to eat memory or to recurse without end) and a rule can loop
+forever. ``ScoringPool`` keeps that out of the calling process: each worker has its own socket
+and ``RLIMIT_AS``; it is given one item at a time, and a worker that overruns ``timeout_s`` or dies
+is killed and replaced while the rest of the batch goes on. Such an item scores 0 and is counted.
+
+How workers start. Each pool starts one server: a fresh interpreter (``python -c``, with the
+caller's ``sys.path``) that imports the scorer once, then forks a worker whenever the pool asks
+for one, so a replacement starts in milliseconds. Nothing re-runs the caller's main module, as
+multiprocessing's spawn and forkserver do (which breaks scripts without the ``if __name__ ==
+"__main__":`` guard and code piped to ``python -``), and the caller itself is never forked (it may
+hold torch threads or Ray state). The server kills and reaps a worker only when the pool asks, so
+the pid the pool kills is never another process's. When the pool closes, or the process that
+opened it dies (a killed Ray actor), the server reads end-of-file, kills its workers and exits.
+No temporary file or directory is made.
 
 Messages are JSON in both directions, so nothing the workers send back is unpickled here.
 ``concurrent.futures.ProcessPoolExecutor`` is not used because it cannot kill one hung worker.
 
-``score_one`` backs the public ``rewards.math.score``: a one-worker pool shared by the process,
-started on first use and closed at exit. The workers come from multiprocessing's forkserver, whose
-listening socket lives in a temporary directory; this module gives multiprocessing one it owns and,
-when the last pool closes, stops the forkserver it started and removes that directory, so that
-closed pools leave no ``/tmp/pymp-*`` behind (multiprocessing's own one is removed only at a normal
-interpreter exit, never when a Ray actor is killed).
+``score_one`` backs public entries such as ``rewards.math.score``: a one-worker pool per scorer
+shared by the process, started on first use and closed at exit.
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import json
-import logging
-import multiprocessing
-import multiprocessing.forkserver
 import multiprocessing.util
 import os
+import re
 import resource
-import shutil
 import signal
-import tempfile
+import socket
+import subprocess
+import sys
 import threading
 import time
+import weakref
 from collections import deque
-from multiprocessing.connection import Connection, wait
+from collections.abc import Callable
+from multiprocessing.connection import Connection, Pipe, wait
 from types import TracebackType
 
-DEFAULT_TIMEOUT_S = 5.0  # per item; answers take 0.1-70 ms, hostile ones minutes or more
+DEFAULT_TIMEOUT_S = 5.0  # per item; math answers take 0.1-70 ms, hostile ones minutes or more
 DEFAULT_MEMORY_MB = 1024  # address space per worker, sympy included
-_START_TIMEOUT_S = 120.0  # a fresh worker imports sympy: seconds on a loaded 2-core machine
+_START_TIMEOUT_S = 120.0  # a fresh server imports sympy: seconds on a loaded 2-core machine
+_SCORER_NAME = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
+# The server's program. It skips the interpreter's teardown (0.4 s with sympy loaded) when done.
+_BOOT = (
+    "import json, os, sys; sys.path[:] = json.loads(sys.argv[1]); "
+    "from relayrl.rewards.sandbox import _server; _server(*sys.argv[2:]); os._exit(0)"
+)
 
 
-def _serve(conn: Connection, memory_mb: int) -> None:
+def check_scorer(scorer: str) -> None:
+    """Raise ValueError naming ``scorer`` unless it reads "module:function" and the module is
+    found; the module is not run here (the pool's server imports it)."""
+    if not _SCORER_NAME.fullmatch(scorer):
+        raise ValueError(f"scorer {scorer!r}: expected 'module:function', e.g. 'my_rules:score'")
+    module = scorer.partition(":")[0]
+    try:
+        found = importlib.util.find_spec(module) is not None  # runs its parent packages only
+    except Exception as error:
+        raise ValueError(f"scorer {scorer!r}: {error}") from error
+    if not found:
+        raise ValueError(f"scorer {scorer!r}: no module named {module!r}")
+
+
+def _load(scorer: str) -> Callable[[str, str], float]:
+    """The function ``scorer`` names; ValueError naming it if it does not import or is not
+    callable."""
+    module, _, name = scorer.partition(":")
+    try:
+        function = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as error:
+        raise ValueError(f"scorer {scorer!r}: {error}") from error
+    except Exception as error:
+        raise ValueError(
+            f"scorer {scorer!r}: importing {module} raised {type(error).__name__}: {error}"
+        ) from error
+    if not callable(function):
+        raise ValueError(f"scorer {scorer!r}: {name} is a {type(function).__name__}, not callable")
+    return function
+
+
+def _send_line(sock: socket.socket, message: dict, fd: int | None = None) -> None:
+    """One JSON line on the server's control socket, with a file descriptor if given."""
+    line = json.dumps(message).encode() + b"\n"
+    if fd is None:
+        sock.sendall(line)
+    else:
+        socket.send_fds(sock, [line], [fd])
+
+
+def _receive_line(sock: socket.socket) -> tuple[dict | None, list[int]]:
+    """The next JSON line and the descriptors sent with it; None at end-of-file."""
+    data, fds = b"", []
+    while not data.endswith(b"\n"):
+        chunk, more, _, _ = socket.recv_fds(sock, 4096, 1)
+        fds += more
+        if not chunk:
+            for fd in fds:
+                os.close(fd)
+            return None, []
+        data += chunk
+    return json.loads(data), fds
+
+
+def _serve(conn: Connection, scorer: Callable[[str, str], float], memory_mb: int) -> None:
     """Worker loop: receive [response, reference], reply {"score": x} or {"error": name}."""
     limit = memory_mb * 2**20
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-    # preloaded by the forkserver, so already imported
-    from relayrl.rewards.math import _score_unbounded
-
-    # math-verify warns once per process that its signal timeouts are off: this pool replaces them.
-    logging.getLogger("math_verify").setLevel(logging.ERROR)
-
     conn.send_bytes(b'{"ready": true}')
     while True:
         try:
@@ -57,135 +121,105 @@ def _serve(conn: Connection, memory_mb: int) -> None:
         except EOFError:
             return
         try:
-            reply = {"score": float(_score_unbounded(response, reference))}
-        except BaseException as error:  # MemoryError, RecursionError, ...: the parent replaces us
+            reply = {"score": float(scorer(response, reference))}
+        except BaseException as error:  # MemoryError, RecursionError, ...: the pool replaces us
             reply = {"error": type(error).__name__}
         conn.send_bytes(json.dumps(reply).encode())
 
 
-class _Forkserver:
-    """Counts the open pools; owns multiprocessing's temp dir and the forkserver it started.
+def _kill(pid: int) -> None:
+    """Kill and reap one worker (a dead one is a zombie until reaped, so the pid is still its)."""
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
 
-    The forkserver listens on a socket in ``multiprocessing.util.get_temp_dir()``, a ``pymp-*``
-    directory that multiprocessing removes only at a normal interpreter exit. If the process has
-    no such directory yet when the first pool opens, this hands multiprocessing one of ours; when
-    the last pool closes it stops the forkserver (the next pool or other user starts a fresh one)
-    and removes the directory. If the directory already existed, someone else uses multiprocessing
-    here: both are left alone and nothing new is created.
-    """
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._pools = 0
-        self._tempdir: str | None = None
-
-    def acquire(self) -> None:
-        """A pool is opening."""
-        with self._lock:
-            config = multiprocessing.current_process()._config
-            server = multiprocessing.forkserver._forkserver
-            untouched = config.get("tempdir") is None and server._forkserver_pid is None
-            if self._pools == 0 and untouched:
-                self._tempdir = tempfile.mkdtemp(prefix="relayrl-scoring-")
-                config["tempdir"] = self._tempdir
-                # For pools still open at exit, as multiprocessing does for its own directory.
-                multiprocessing.util.Finalize(
-                    None, shutil.rmtree, (self._tempdir, True), exitpriority=-100
-                )
-            self._pools += 1
-
-    def release(self) -> None:
-        """A pool has closed and killed its workers."""
-        with self._lock:
-            self._pools -= 1
-            if self._pools or self._tempdir is None:
+def _server(control_fd: str, scorer: str, memory_mb: str) -> None:
+    """A pool's server process: import the scorer, then serve {"fork"} (with the worker's socket)
+    and {"kill": pid} requests until end-of-file, when it kills its workers and returns."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the caller's, who closes the pool
+    control = socket.socket(fileno=int(control_fd))
+    try:
+        function = _load(scorer)
+    except ValueError as error:
+        _send_line(control, {"error": str(error)})
+        return
+    _send_line(control, {"ready": True})
+    workers: set[int] = set()
+    try:
+        while True:
+            request, fds = _receive_line(control)
+            if request is None:
                 return
-            server = multiprocessing.forkserver._forkserver
-            if server._forkserver_pid is not None:
-                # Closing its "alive" pipe alone would wait on any other process forked from it.
-                os.kill(server._forkserver_pid, signal.SIGKILL)
-                server._stop()
-            shutil.rmtree(self._tempdir, ignore_errors=True)
-            config = multiprocessing.current_process()._config
-            if config.get("tempdir") == self._tempdir:
-                del config["tempdir"]
-            self._tempdir = None
-
-    def forget(self) -> None:
-        """In a forked child: the open pools, the temp dir and the forkserver are the parent's."""
-        self._lock = threading.Lock()  # another thread may have held it at the fork
-        if self._tempdir is not None:
-            # The parent stops this forkserver and removes its directory; the child starts its own
-            # (the stdlib would instead waitpid() on the parent's child and raise).
-            server = multiprocessing.forkserver._forkserver
-            if server._forkserver_alive_fd is not None:
-                os.close(server._forkserver_alive_fd)
-            server._forkserver_pid = server._forkserver_alive_fd = None
-            server._forkserver_address = None
-            multiprocessing.current_process()._config.pop("tempdir", None)
-        self._pools, self._tempdir = 0, None
-
-
-_forkserver = _Forkserver()
+            if "kill" in request:
+                _kill(request["kill"])
+                workers.discard(request["kill"])
+                _send_line(control, {"killed": request["kill"]})
+                continue
+            pid = os.fork()
+            if pid == 0:
+                code = 1
+                try:
+                    control.close()
+                    _serve(Connection(fds[0]), function, int(memory_mb))
+                    code = 0
+                finally:
+                    os._exit(code)  # never back into this loop, whatever happened
+            os.close(fds[0])
+            workers.add(pid)
+            _send_line(control, {"pid": pid})
+    finally:
+        for pid in workers:
+            _kill(pid)
 
 
 class _Worker:
-    """One worker process and the parent's end of its pipe."""
+    """One worker process: its pid and the pool's end of its socket."""
 
-    def __init__(self, context: multiprocessing.context.BaseContext, memory_mb: int):
-        self.conn, child_conn = context.Pipe()
-        self.process = context.Process(target=_serve, args=(child_conn, memory_mb), daemon=True)
-        self.process.start()
-        child_conn.close()  # so that a dead worker reads as EOF here
+    def __init__(self, pid: int, conn: Connection):
+        self.pid = pid
+        self.conn = conn
 
-    def wait_ready(self) -> None:
-        """Block until the worker has imported the scorer; raise if it does not come up."""
-        if not self.conn.poll(_START_TIMEOUT_S):
-            self.kill()
-            raise RuntimeError(f"scoring worker did not start within {_START_TIMEOUT_S:.0f} s")
-        try:
-            self.conn.recv_bytes()
-        except EOFError as error:
-            self.kill()
-            message = (
-                "scoring worker exited while starting: is memory_mb too small, or does the main"
-                " script create a pool outside `if __name__ == '__main__':`?"
-            )
-            raise RuntimeError(message) from error
 
-    def kill(self) -> None:
-        """Kill the process and release its pipe."""
-        self.process.kill()
-        self.process.join()
-        self.conn.close()
+_open_pools: weakref.WeakSet[ScoringPool] = weakref.WeakSet()
 
 
 class ScoringPool:
-    """Scores (response, reference) pairs with ``rewards.math`` in sandboxed workers."""
+    """Scores (response, reference) pairs with ``scorer`` ("module:function") in sandboxed
+    workers; raises ValueError naming the scorer if it does not import or is not callable."""
 
     def __init__(
         self,
+        scorer: str,
         workers: int = 2,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         memory_mb: int = DEFAULT_MEMORY_MB,
     ):
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
+        check_scorer(scorer)
+        self.scorer = scorer
         self.timeout_s = timeout_s
         self.memory_mb = memory_mb
-        # forkserver, not fork: the parent may hold torch threads or Ray state that fork would
-        # copy. The server imports the scorer once, so a replacement worker starts in
-        # milliseconds; like spawn, each worker still re-runs the main script (guard it).
-        self._context = multiprocessing.get_context("forkserver")
-        self._context.set_forkserver_preload(["relayrl.rewards.math"])
         self._counters = {"timeouts": 0, "errors": 0, "scored": 0}
         self._workers: list[_Worker] = []
         self._closed = False
-        _forkserver.acquire()
+        self._control, server_end = socket.socketpair()
         try:
-            self._workers = [_Worker(self._context, memory_mb) for _ in range(workers)]
-            for worker in self._workers:
-                worker.wait_ready()
+            command = [sys.executable, "-c", _BOOT, json.dumps(sys.path)]
+            self._server = subprocess.Popen(
+                [*command, str(server_end.fileno()), scorer, str(memory_mb)],
+                pass_fds=[server_end.fileno()],
+                stdin=subprocess.DEVNULL,
+            )
+        finally:
+            server_end.close()  # so that a dead server reads as end-of-file here
+        _open_pools.add(self)
+        try:
+            self._control.settimeout(_START_TIMEOUT_S)
+            reply = self._read("starting")
+            if "error" in reply:
+                raise ValueError(reply["error"])
+            self._workers = [self._start_worker() for _ in range(workers)]
         except BaseException:
             self.close()
             raise
@@ -200,8 +234,8 @@ class ScoringPool:
     ) -> list[float]:
         """Scores in input order; an item that times out (after ``timeout_s``, default the
         pool's), crashes its worker or fails scores 0."""
-        if not self._workers:
-            raise RuntimeError("ScoringPool is closed")
+        if self._closed:
+            raise RuntimeError("ScoringPool is closed (or was opened before this process forked)")
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         scores = [0.0] * len(pairs)
         todo = deque(range(len(pairs)))
@@ -210,7 +244,7 @@ class ScoringPool:
         while todo or busy:
             while todo and idle:
                 item, worker = todo.popleft(), idle.pop()
-                if not worker.process.is_alive():  # killed while idle, e.g. by the OOM killer
+                if worker.conn.poll():  # an idle worker says nothing: it died, e.g. OOM-killed
                     worker = self._replace(worker)
                 if self._send(worker, pairs[item]):
                     busy[worker] = (item, time.monotonic() + timeout_s)
@@ -220,11 +254,10 @@ class ScoringPool:
             if not busy:
                 continue
             first_deadline = min(deadline for _, deadline in busy.values())
-            ready = wait(
-                [w.conn for w in busy] + [w.process.sentinel for w in busy],
-                timeout=max(0.0, first_deadline - time.monotonic()),
-            )
-            for worker in [w for w in busy if w.conn in ready or w.process.sentinel in ready]:
+            # A worker that dies closes its socket, so a reply and a death both wake this up.
+            timeout = max(0.0, first_deadline - time.monotonic())
+            ready = wait([w.conn for w in busy], timeout=timeout)
+            for worker in [w for w in busy if w.conn in ready]:
                 item, _ = busy.pop(worker)
                 result = self._receive(worker)
                 if result is None:  # crashed, out of memory, or raised: start afresh
@@ -240,6 +273,39 @@ class ScoringPool:
                 idle.append(self._replace(worker))
         self._counters["scored"] += len(pairs)
         return scores
+
+    def _read(self, doing: str) -> dict:
+        """The server's reply; RuntimeError if it has exited."""
+        reply, _ = _receive_line(self._control)
+        if reply is None:
+            code = self._server.wait()
+            raise RuntimeError(f"scorer {self.scorer!r}: its server exited {doing} (code {code})")
+        return reply
+
+    def _start_worker(self) -> _Worker:
+        """Have the server fork a worker; block until it is ready."""
+        conn, child_conn = Pipe()
+        try:
+            _send_line(self._control, {"fork": True}, child_conn.fileno())
+        finally:
+            child_conn.close()  # so that a dead worker reads as end-of-file here
+        worker = _Worker(self._read("forking a worker")["pid"], conn)
+        if not conn.poll(_START_TIMEOUT_S):
+            self._kill(worker)
+            raise RuntimeError(f"scoring worker did not start within {_START_TIMEOUT_S:.0f} s")
+        try:
+            conn.recv_bytes()
+        except EOFError as error:
+            self._kill(worker)
+            message = f"scoring worker exited while starting: is memory_mb={self.memory_mb} enough?"
+            raise RuntimeError(message) from error
+        return worker
+
+    def _kill(self, worker: _Worker) -> None:
+        """Have the server kill and reap a worker; release its socket."""
+        _send_line(self._control, {"kill": worker.pid})
+        self._read("killing a worker")
+        worker.conn.close()
 
     def _send(self, worker: _Worker, pair: tuple[str, str]) -> bool:
         """Hand one pair to a worker; False if it died taking it (too large for its memory)."""
@@ -260,21 +326,31 @@ class ScoringPool:
 
     def _replace(self, worker: _Worker) -> _Worker:
         """Kill a hung or dead worker and start a new one in its place."""
-        worker.kill()
-        fresh = _Worker(self._context, self.memory_mb)
-        fresh.wait_ready()
+        self._kill(worker)
+        fresh = self._start_worker()
         self._workers[self._workers.index(worker)] = fresh
         return fresh
 
     def close(self) -> None:
-        """Stop every worker; the last pool to close also stops the forkserver (``_Forkserver``)."""
+        """Stop the server and every worker; they are gone when this returns."""
         if self._closed:
             return
         self._closed = True
+        _open_pools.discard(self)
+        self._control.close()  # the server reads end-of-file, kills and reaps its workers, exits
         for worker in self._workers:
-            worker.kill()
+            worker.conn.close()
         self._workers = []
-        _forkserver.release()
+        self._server.wait()
+
+    def _forget(self) -> None:
+        """In a forked child: close this process's copies of the sockets, leave the processes
+        to the parent."""
+        self._closed = True
+        self._control.close()
+        for worker in self._workers:
+            worker.conn.close()
+        self._workers = []
 
     def __enter__(self) -> ScoringPool:
         return self
@@ -289,35 +365,39 @@ class ScoringPool:
 
 
 _shared_lock = threading.Lock()
-_shared: ScoringPool | None = None
+_shared: dict[str, ScoringPool] = {}
 
 
-def score_one(response: str, reference: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> float:
-    """Score one pair in a one-worker pool shared by this process (started on first use)."""
-    global _shared
+def score_one(
+    scorer: str, response: str, reference: str, timeout_s: float = DEFAULT_TIMEOUT_S
+) -> float:
+    """Score one pair in a one-worker pool for ``scorer`` shared by this process (started on
+    first use)."""
     with _shared_lock:
-        if _shared is None:
-            _shared = ScoringPool(workers=1)
-            # A finalizer, not atexit: multiprocessing's children exit through finalizers only.
-            multiprocessing.util.Finalize(None, _close_shared, exitpriority=10)
-        return _shared.score_batch([(response, reference)], timeout_s)[0]
+        if scorer not in _shared:
+            _shared[scorer] = ScoringPool(scorer, workers=1)
+        return _shared[scorer].score_batch([(response, reference)], timeout_s)[0]
 
 
 def _close_shared() -> None:
-    """Close this process's shared pool, if it started one."""
-    global _shared
+    """Close this process's shared pools."""
     with _shared_lock:
-        if _shared is not None:
-            _shared.close()
-            _shared = None
+        for pool in _shared.values():
+            pool.close()
+        _shared.clear()
 
 
 def _forget_parent_pools() -> None:
-    """After a fork, in the child: leave the parent's pools to the parent (closing the shared one
-    here would kill the parent's worker); a first ``score_one`` starts the child's own."""
-    global _shared, _shared_lock
-    _shared, _shared_lock = None, threading.Lock()
-    _forkserver.forget()
+    """After a fork, in the child: the parent's pools stay the parent's (closing them here would
+    kill its workers); a first ``score_one`` starts the child's own."""
+    global _shared_lock
+    _shared_lock = threading.Lock()  # another thread may have held it at the fork
+    for pool in list(_open_pools):
+        pool._forget()
+    _open_pools.clear()
+    _shared.clear()
 
 
+# A finalizer, not atexit: multiprocessing's children exit through finalizers only.
+multiprocessing.util.Finalize(None, _close_shared, exitpriority=10)
 os.register_at_fork(after_in_child=_forget_parent_pools)
