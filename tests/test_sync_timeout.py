@@ -10,16 +10,79 @@ import time
 
 import pytest
 import ray
-from conftest import tiny_config
-from test_controller import SMALL
-from test_embodied import SMALL as EMBODIED
-from test_embodied import check_books
-from test_recovery import MADE, Kept, KeptEmbodied
+from conftest import MADE, Kept, KeptEmbodied, check_books, tiny_config
+from conftest import SMALL_EMBODIED as EMBODIED
+from conftest import SMALL_LLM as SMALL
 
 from relayrl import job
+from relayrl.launch import Group, WeightSync
 from relayrl.observability.metrics import MetricsLog
+from relayrl.weight_sync import ReceiverLost
 
 TIMEOUT_S = 3
+
+
+@ray.remote(num_cpus=0)
+class Rank:
+    """A trainer rank's publishing half: each publish is a ticket."""
+
+    def publish(self) -> str:
+        return "ticket"
+
+
+@ray.remote(num_cpus=0)
+class Receiving:
+    """A receiver that takes every update (or fails it) and works as long as it is told."""
+
+    def __init__(self, fail: bool = False):
+        self.fail = fail
+        self.version = 0
+
+    def update_weights(self, *tickets: str) -> int:
+        if self.fail:
+            raise RuntimeError("the transfer broke")
+        self.version += 1
+        return self.version
+
+    def work(self, seconds: float) -> int:
+        time.sleep(seconds)
+        return self.version
+
+
+def _sync(fail: bool = False) -> WeightSync:
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # test modules: not importable
+    trainer = Group("trainer", [Rank.remote()])
+    return WeightSync("shm", trainer, {"r": Receiving.remote(fail)}, "127.0.0.1", timeout_s=1.0)
+
+
+def test_a_call_watched_with_the_updates_before_it_runs_on_them(ray_session):
+    sync = _sync()
+    receiver = sync.receivers["r"]
+    sync.publish()
+    sync.publish()
+    assert asyncio.run(sync.watched("r", receiver.work.remote(0))) == 2
+    assert sync.updates["r"] == []  # both seen taken
+    ray.kill(receiver)
+
+
+def test_a_receiver_busy_past_the_timeout_or_whose_update_fails_is_lost(ray_session):
+    busy = _sync()
+    receiver = busy.receivers["r"]
+    receiver.work.remote(60 * busy.timeout_s)  # one call that outlasts the timeout
+    for _ in range(3):
+        busy.publish()
+    # Kept: the oldest (it times the receiver) and the newest (what it would serve).
+    assert [u.publish for u in busy.updates["r"]] == [1, 3]
+    with pytest.raises(ReceiverLost, match=r"'r' lost: missed sync.timeout_s=1: publish #1 "):
+        asyncio.run(busy.watched("r", receiver.work.remote(0)))
+    ray.kill(receiver)
+
+    failing = _sync(fail=True)
+    failing.publish()
+    call = failing.receivers["r"].work.remote(0)
+    with pytest.raises(ReceiverLost, match=r"its update failed \(RuntimeError: the transfer broke"):
+        asyncio.run(failing.watched("r", call))
+    ray.kill(failing.receivers["r"])
 
 
 def _sleep(actor: object) -> None:

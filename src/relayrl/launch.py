@@ -342,7 +342,9 @@ class WeightSync:
         self.publishes = 0
         # Every receiver holds what the trainer published before the loops (``prepare``).
         self.handed = dict.fromkeys(receivers, 0)
-        self.updates: dict[str, list[Update]] = {}  # each receiver's, not yet seen taken
+        # Each receiver's updates not yet seen taken: the oldest and the newest (those between
+        # are dropped, so a receiver nothing watches pins two publishes at most).
+        self.updates: dict[str, list[Update]] = {}
 
     def publish(self, fan_out: bool = True) -> dict[str, Any]:
         """Every trainer rank publishes its shard; with ``fan_out`` every receiver takes the
@@ -363,8 +365,10 @@ class WeightSync:
         for name in stale:
             self.handed[name] = self.publishes
             refs[name] = self.receivers[name].update_weights.remote(*self.tickets)
-            update = Update(refs[name], self.publishes, self.tickets)
-            self.updates.setdefault(name, []).append(update)
+            pending = self.updates.setdefault(name, [])
+            if len(pending) == 2:  # the oldest times the receiver, the newest is what it serves
+                pending.pop()
+            pending.append(Update(refs[name], self.publishes, self.tickets))
         return refs
 
     async def watched(self, name: str, call: Any) -> Any:
