@@ -118,6 +118,30 @@ def test_a_user_rule_runs_sandboxed_and_a_forever_loop_is_a_timeout():
         rewarder.close()
 
 
+def test_a_user_rule_scores_in_a_rewarder_actor(ray_session):
+    # As in a run: the actor's pool imports the rule from the actor's own sys.path (here set by
+    # PYTHONPATH, in a run by the driver's script directory, PYTHONPATH or an installed package).
+    ray = ray_session
+    cfg = tiny_config(
+        "model.tokenizer=builtin:byte",
+        "rewarder.scorer=scoring_rules:exact_or_loop",
+        "rewarder.workers=1",
+        "rewarder.timeout_s=1",
+    )
+    env = {"env_vars": {"PYTHONPATH": str(Path(__file__).parents[1])}}
+    actor = ray.remote(Rewarder).options(num_cpus=0, runtime_env=env).remote(cfg)
+    try:
+        batch = text_batch(
+            load_tokenizer("builtin:byte"), ["975", "loop", "975"], ["975"] * 3, [True] * 3
+        )
+        summary, scored = ray.get(actor.score.remote(batch))
+        assert scored.rewards.tolist() == [1.0, 0.0, 1.0]
+        assert summary["timeouts"] == 1 and summary["errors"] == 0
+        ray.get(actor.close.remote())
+    finally:
+        ray.kill(actor)
+
+
 @pytest.mark.parametrize(
     ("scorer", "reason"),
     [
