@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from relayrl.rewards import sandbox
 from relayrl.rewards.sandbox import ScoringPool
 
 SCORER = "relayrl.rewards.math:_score_unbounded"
@@ -243,6 +244,7 @@ def test_a_rule_that_loops_forever_scores_zero_and_is_counted():
         ("scoring_rules:missing", "scorer 'scoring_rules:missing': module 'scoring_rules' has no"),
         ("scoring_rules:NOT_A_FUNCTION", "NOT_A_FUNCTION is a int, not callable"),
         ("scoring_rules.exact_or_loop", "expected 'module:function'"),
+        ("__main__:score", "workers cannot import the main script; use a module"),
     ],
 )
 def test_a_scorer_that_does_not_import_or_call_is_refused_naming_it(scorer, message):
@@ -250,6 +252,32 @@ def test_a_scorer_that_does_not_import_or_call_is_refused_naming_it(scorer, mess
         ScoringPool(scorer, workers=1)
     assert message.lower() in str(info.value).lower()
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_scorer_whose_import_hangs_is_refused_naming_it_and_stopped(tmp_path, monkeypatch):
+    (tmp_path / "hangs_on_import.py").write_text("while True:\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))  # the server gets this process's sys.path
+    monkeypatch.setattr(sandbox, "_START_TIMEOUT_S", 2.0)
+    with pytest.raises(RuntimeError) as info:
+        ScoringPool("hangs_on_import:score", workers=1)
+    assert str(info.value) == (
+        "scorer 'hangs_on_import:score': its server did not answer starting within 2 s"
+    )
+    servers = [  # the server's command line holds sys.path, so tmp_path
+        pid
+        for pid in os.listdir("/proc")
+        if pid.isdigit() and alive(int(pid)) and str(tmp_path) in cmdline(int(pid))
+    ]
+    assert servers == []
+
+
+def cmdline(pid: int) -> str:
+    """A process's command line, or "" if it has gone."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return ""
 
 
 def test_score_in_forked_children_uses_their_own_pool(tmp_path):

@@ -48,6 +48,7 @@ from types import TracebackType
 DEFAULT_TIMEOUT_S = 5.0  # per item; math answers take 0.1-70 ms, hostile ones minutes or more
 DEFAULT_MEMORY_MB = 1024  # address space per worker, sympy included
 _START_TIMEOUT_S = 120.0  # a fresh server imports sympy: seconds on a loaded 2-core machine
+_STOP_TIMEOUT_S = 10.0  # a server stops in milliseconds once it reads end-of-file
 _SCORER_NAME = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
 # The server's program. It skips the interpreter's teardown (0.4 s with sympy loaded) when done.
 _BOOT = (
@@ -62,6 +63,8 @@ def check_scorer(scorer: str) -> None:
     if not _SCORER_NAME.fullmatch(scorer):
         raise ValueError(f"scorer {scorer!r}: expected 'module:function', e.g. 'my_rules:score'")
     module = scorer.partition(":")[0]
+    if module == "__main__":
+        raise ValueError(f"scorer {scorer!r}: workers cannot import the main script; use a module")
     try:
         found = importlib.util.find_spec(module) is not None  # runs its parent packages only
     except Exception as error:
@@ -275,8 +278,12 @@ class ScoringPool:
         return scores
 
     def _read(self, doing: str) -> dict:
-        """The server's reply; RuntimeError if it has exited."""
-        reply, _ = _receive_line(self._control)
+        """The server's reply; RuntimeError if it has exited or does not answer."""
+        try:
+            reply, _ = _receive_line(self._control)
+        except TimeoutError:
+            message = f"scorer {self.scorer!r}: its server did not answer {doing} within"
+            raise RuntimeError(f"{message} {_START_TIMEOUT_S:.0f} s") from None
         if reply is None:
             code = self._server.wait()
             raise RuntimeError(f"scorer {self.scorer!r}: its server exited {doing} (code {code})")
@@ -341,7 +348,11 @@ class ScoringPool:
         for worker in self._workers:
             worker.conn.close()
         self._workers = []
-        self._server.wait()
+        try:
+            self._server.wait(timeout=_STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:  # still importing the scorer: it reads nothing
+            self._server.kill()
+            self._server.wait()
 
     def _forget(self) -> None:
         """In a forked child: close this process's copies of the sockets, leave the processes
