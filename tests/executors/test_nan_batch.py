@@ -9,12 +9,10 @@ counted; then that a good batch steps again.
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_config
+from conftest import TINY_VLA, assert_bit_identical, core_state, segment, tiny_config
 
 from relayrl.config import load_config
 from relayrl.data.trajectories import Episode
@@ -22,9 +20,8 @@ from relayrl.executors.critic import Critic
 from relayrl.executors.trainer import Trainer
 from relayrl.executors.vla_trainer import VLATrainer
 from relayrl.executors.world_model_trainer import WorldModelTrainer
-from relayrl.models.vla import VLAConfig
 from relayrl.models.world_model import ObsModelConfig, SuccessModelConfig
-from relayrl.types import RolloutBatch, Segment
+from relayrl.types import RolloutBatch
 
 
 @pytest.fixture(autouse=True)
@@ -33,28 +30,6 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-def assert_bit_identical(a: Any, b: Any, where: str = "state") -> None:
-    """Nested dicts and lists of tensors and plain values, equal bit for bit."""
-    if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for key in a:
-            assert_bit_identical(a[key], b[key], f"{where}.{key}")
-    elif isinstance(a, list | tuple):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            assert_bit_identical(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, where
-
-
-def core_state(trainer: Any) -> dict:
-    """What a skipped step must leave bit for bit: weights, optimizer state, schedule, version."""
-    state = trainer.state_dict()
-    return {key: state[key] for key in ("model", "optimizer", "scheduler", "version")}
 
 
 def completions(rows: int, *, version: int = 0) -> RolloutBatch:
@@ -90,43 +65,6 @@ def test_the_llm_trainer_skips_a_batch_with_a_nan_behaviour_log_prob():
     assert_bit_identical(core_state(trainer), before)
     assert trainer.stats()["skipped_nonfinite"] == 1
     assert trainer.train_step(completions(4, version=1)).stepped and trainer.version == 2
-
-
-TINY_VLA = VLAConfig(
-    image_size=8,
-    patch_size=4,
-    channels=4,
-    conv_layers=1,
-    d_model=8,
-    layers=1,
-    heads=2,
-    instruction_tokens=4,
-    hash_buckets=4,
-    action_dims=2,
-    action_vocab=3,
-    max_episode_steps=8,
-)
-
-
-def segment(length: int, *, seed: int, version: int = 0) -> Segment:
-    """A segment of random 8x8 frames and actions, behaviour log-prob -1.1 per action token."""
-    rng = np.random.default_rng(seed)
-    return Segment(
-        worker=0,
-        episode=seed,
-        task="t",
-        instruction="go to the red ball",
-        images=rng.integers(0, 256, (length + 1, 1, 8, 8, 3), dtype=np.uint8),
-        steps=np.arange(length + 1, dtype=np.int64),
-        actions=rng.integers(0, 3, (length, 2)),
-        logprobs=np.full((length, 2), -1.1, np.float32),
-        values=np.zeros(length, np.float32),
-        rewards=rng.random(length).astype(np.float32),
-        versions=np.full(length, version, np.int64),
-        terminated=False,
-        episode_done=False,
-        success=False,
-    )
 
 
 def test_the_vla_trainer_skips_a_batch_with_a_nan_reward():
