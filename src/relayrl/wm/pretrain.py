@@ -28,6 +28,7 @@ from tqdm import tqdm
 
 from relayrl.config import Config
 from relayrl.data.trajectories import Episode, load_episodes, read_manifest
+from relayrl.executors.trainer_core import GradientStep
 from relayrl.models.world_model import (
     ObservationModel,
     SuccessModel,
@@ -188,8 +189,10 @@ def pretrain(
     rng = np.random.default_rng(seed)
     obs_model = build_obs_model(obs_cfg)
     reward_model = SuccessModel(reward_cfg)
-    obs_opt = torch.optim.AdamW(obs_model.parameters(), lr=cfg.world_model.lr)
-    reward_opt = torch.optim.AdamW(reward_model.parameters(), lr=cfg.world_model.lr)
+    # The run's world-model trainer steps alike: AdamW (its default decay), no clipping, and a
+    # nan or inf loss or gradient norm skips the step (counted in the report).
+    obs_step = GradientStep(obs_model, lr=cfg.world_model.lr, weight_decay=0.01)
+    reward_step = GradientStep(reward_model, lr=cfg.world_model.lr, weight_decay=0.01)
 
     held_tr = transition_index(episodes, held_eps)
     held_tr = held_tr[np.sort(rng.permutation(len(held_tr))[:HELDOUT_TRANSITIONS])]
@@ -232,17 +235,13 @@ def pretrain(
             episodes, train_tr[rng.integers(len(train_tr), size=batch_size)], obs_cfg.context_frames
         )
         obs_loss = obs_model.loss(batch)
-        obs_opt.zero_grad()
-        obs_loss.backward()
-        obs_opt.step()
+        obs_step.step(obs_loss)
 
         drawn = draw_frames(train_frames, train_outcome, batch_size, rng, reward_cfg.failure_head)
         if drawn is None:  # success frames were checked above; first frames are others
             raise RuntimeError("the training episodes hold no frame that ends no episode")
         reward_loss = reward_model.loss(labels(reward_model, episodes, *drawn))
-        reward_opt.zero_grad()
-        reward_loss.backward()
-        reward_opt.step()
+        reward_step.step(reward_loss)
 
         row: dict[str, Any] = {
             "step": step,
@@ -294,6 +293,10 @@ def pretrain(
             "heldout": heldout_keys,
         },
         "final_losses": {"obs": obs_loss.item(), "reward": reward_loss.item()},
+        "skipped_nonfinite": {
+            "obs": obs_step.skipped_nonfinite,
+            "reward": reward_step.skipped_nonfinite,
+        },
         "heldout_start": curve[0],
         "heldout_end": curve[-1],
         "curve": curve,
