@@ -58,7 +58,7 @@ def changed_parameters(summary: dict, seed: int) -> list[str]:
     return [k for k, v in saved.items() if not torch.equal(v, initial[k])]
 
 
-def test_sync_lockstep_run_is_on_policy_and_learns_something(ray_session, tmp_path):
+def test_sync_lockstep_run_is_on_policy_and_moves_the_policy_and_value_heads(ray_session, tmp_path):
     cfg = tiny_config(*SMALL, "mode=sync")
     before = shm_files()
     summary = train(cfg, tmp_path / "run")
