@@ -114,18 +114,35 @@ def _stall_at(monkeypatch, step: int, role: str, index: int, stall=_sleep) -> li
                 _, role, index = todo.pop()
                 actor = {g.role: g for g in MADE[-1].groups()}[role][index]
                 actor.__ray_call__.remote(stall)
+                MADE[-1].stalled = True
 
     monkeypatch.setattr(job, "MetricsLog", Stalling)
     return todo
 
 
-# async: the other replica keeps the trainer publishing; sync: a forced lag of 1 lets the trainer
-# train and publish while the stalled replica's batch is still due.
-@pytest.mark.parametrize(("mode", "options"), [("async", []), ("sync", ["generator.min_lag=1"])])
+class KeptUntilReplaced(Kept):
+    """Kept; once a replica is stalled, an evaluation waits until it is replaced, so that the
+    other replica cannot finish the run first."""
+
+    stalled = False
+
+    async def evaluate(self, split: str = "heldout") -> dict:
+        while self.stalled and not self.recovery.tally.failures:
+            await asyncio.sleep(0.1)
+        return await super().evaluate(split)
+
+
+# async: the other replica keeps the trainer publishing, and the evaluation at step 5 waits for
+# the replacement; sync: a forced lag of 1 lets the trainer train and publish while the stalled
+# replica's batch is still due, and the next step waits for that batch.
+@pytest.mark.parametrize(
+    ("mode", "options"),
+    [("async", ["log.eval_every=5"]), ("sync", ["generator.min_lag=1"])],
+)
 def test_a_generator_that_misses_the_sync_timeout_is_replaced_and_serves_the_newest_version(
     ray_session, tmp_path, monkeypatch, mode, options
 ):
-    monkeypatch.setitem(job.WORKLOADS, "llm", Kept)
+    monkeypatch.setitem(job.WORKLOADS, "llm", KeptUntilReplaced)
     cfg = tiny_config(
         *SMALL,
         f"mode={mode}",
@@ -141,7 +158,7 @@ def test_a_generator_that_misses_the_sync_timeout_is_replaced_and_serves_the_new
 
     assert summary["status"] == "finished" and summary["steps"] == cfg.steps
     (failure,) = summary["failures"]["generator"]
-    assert failure["name"] == "generator_0"
+    assert failure["name"] == "generator_0" and failure["step"] < cfg.steps  # replaced mid-run
     assert f"missed sync.timeout_s={TIMEOUT_S}" in failure["reason"]
     assert set(summary["failures"]) == {"generator"}  # nothing else was replaced
     # Every replica, the replacement included, serves the trainer's last version.
