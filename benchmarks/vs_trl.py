@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import importlib
 import json
 import random
 import shlex
@@ -112,6 +113,19 @@ DIFFERENCES = [
     "sampler unshuffled). Neither system masks truncated completions: both train on them with "
     "reward 0.",
 ]
+
+
+def trl_scorer(name: str) -> Callable[[str, str], float]:
+    """The scoring rule a TRL user would call for ``rewarder.scorer`` ``name``: exact matching
+    in process, the bounded math verifier, or a ``module:function`` rule imported here."""
+    if name in SCORERS:
+        return SCORERS[name]
+    if name == "math":
+        from relayrl.rewards.math import score
+
+        return score
+    module, _, function = name.partition(":")
+    return getattr(importlib.import_module(module), function)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -371,7 +385,7 @@ def run_trl(cfg: Config, args: argparse.Namespace, out: Path) -> dict:
         dataloader_num_workers=0,
         seed=cfg.run.seed,
     )
-    scorer = SCORERS[cfg.rewarder.scorer]
+    scorer = trl_scorer(cfg.rewarder.scorer)
     eos = tokenizer.eos_token_id
 
     def exact_answer_reward(
