@@ -6,7 +6,14 @@ import pytest
 import yaml
 
 from relayrl.algorithms import ADVANTAGES, LOSSES
-from relayrl.config import Config, ConfigError, TrainerConfig, load_config, save_config
+from relayrl.config import (
+    ConfigError,
+    EmbodiedConfig,
+    LLMConfig,
+    LLMTrainerConfig,
+    load_config,
+    save_config,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = sorted((REPO / "configs").glob("*.yaml"))
@@ -57,14 +64,14 @@ def test_arith_config_is_async_aipo():
 
 
 def test_no_file_gives_the_defaults():
-    assert load_config(None) == Config()
+    assert load_config(None) == LLMConfig()
 
 
 def test_empty_file_gives_the_defaults(tmp_path):
     path = tmp_path / "empty.yaml"
     path.write_text("# nothing\n")
 
-    assert load_config(path) == Config()
+    assert load_config(path) == LLMConfig()
 
 
 @pytest.mark.parametrize(
@@ -130,7 +137,7 @@ def test_unknown_top_level_key_lists_the_allowed_keys():
     message = config_error(ARITH, ["stepz=5"])
 
     assert message.startswith("stepz: unknown key")
-    for key in Config.model_fields:
+    for key in LLMConfig.model_fields:
         assert key in message
 
 
@@ -145,7 +152,7 @@ def test_unknown_nested_key_lists_the_keys_of_its_section():
     message = config_error(ARITH, ["trainer.los=ppo_clip"])
 
     assert message.startswith("trainer.los: unknown key")
-    for key in TrainerConfig.model_fields:
+    for key in LLMTrainerConfig.model_fields:
         assert key in message
     assert "generator" not in message
 
@@ -313,9 +320,9 @@ def test_save_config_round_trips_overridden_values(tmp_path):
 
     assert load_config(saved) == cfg
     written = yaml.safe_load(saved.read_text())
-    embodied_only = {"env", "rollout", "inference", "replay", "vla", "world_model", "imagination"}
     off = {"reward_model", "reference", "critic"}
-    assert list(written) == [k for k in Config.model_fields if k not in embodied_only | off]
+    assert list(written) == [k for k in LLMConfig.model_fields if k not in off]
+    assert not {"env", "rollout", "inference", "replay", "vla"} & set(written)
     assert "gamma" not in written["trainer"] and written["trainer"]["lr"] == 1e-7
     assert "ppo_clip_eps" in written["trainer"] and "aipo_rho" not in written["trainer"]
     assert written["run"]["name"] == "2024"

@@ -10,7 +10,7 @@ import importlib.util
 import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
+from typing import Annotated, Any, Literal, get_args, get_origin
 
 import yaml
 from omegaconf import OmegaConf
@@ -19,6 +19,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    TypeAdapter,
     ValidationError,
     ValidationInfo,
     field_validator,
@@ -326,7 +327,7 @@ class ReferenceConfig(_Section):
 
 
 class TrainerConfig(_Section):
-    """Policy update."""
+    """Policy update: the options both workloads' trainers read."""
 
     ranks: int = Field(
         1,
@@ -341,14 +342,7 @@ class TrainerConfig(_Section):
         "aipo",
         description="Loss name, a key of relayrl.algorithms.losses.LOSSES: "
         + ", ".join(BUILTIN_LOSSES)
-        + "; workload=embodied defaults to gipo.",
-    )
-    advantage: str = Field(
-        "grpo",
-        description="Advantage: "
-        + ", ".join(BUILTIN_ADVANTAGES)
-        + " (per group of completions), or gae: PPO's, per token, from the critic's values "
-        "(places the critic role).",
+        + ".",
     )
     lr: float = Field(3e-4, gt=0, description="AdamW learning rate.")
     lr_schedule: Literal["constant", "cosine"] = Field(
@@ -357,22 +351,6 @@ class TrainerConfig(_Section):
     lr_final_ratio: float = Field(0.1, ge=0, le=1, description="Final lr as a fraction of lr.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     grad_clip: float = Field(1.0, gt=0, description="Global gradient-norm clip.")
-    precision: Literal["fp32", "bf16"] = Field(
-        "fp32",
-        description="LLM policy forward (RL and warm start): fp32, or bf16 autocast (matmuls in "
-        "bf16, weights, gradients and optimizer state still fp32).",
-    )
-    gradient_checkpointing: bool = Field(
-        False,
-        description="Recompute the policy's activations in the backward pass instead of "
-        "keeping them (Hugging Face gradient checkpointing): less memory, more compute.",
-    )
-    skip_zero_signal: bool = Field(
-        True,
-        description="Leave groups whose rewards are all equal (zero advantage, zero gradient) "
-        "out of the forward/backward pass; the loss is rescaled so the update is unchanged. "
-        "Not with m2po or ess_aipo, whose batch statistics count every group's tokens.",
-    )
     aipo_rho: float = Field(4.0, gt=0, description="AIPO truncation rho (LlamaRL uses 2..10).")
     ppo_clip_eps: float = Field(0.2, gt=0, lt=1, description="PPO-clip epsilon.")
     gipo_sigma: float = Field(1.0, gt=0, description="GIPO Gaussian width for positive advantages.")
@@ -402,6 +380,43 @@ class TrainerConfig(_Section):
         description="M2PO: tokens with the largest (log pi/mu)^2 are masked until the mean of "
         "the rest is <= tau (the paper's 0.04).",
     )
+
+    @field_validator("loss")
+    @classmethod
+    def _known_loss(cls, value: str) -> str:
+        from relayrl.algorithms.losses import LOSSES
+
+        if value not in LOSSES:
+            raise ValueError(f"unknown loss; allowed: {', '.join(sorted(LOSSES))}")
+        return value
+
+
+class LLMTrainerConfig(TrainerConfig):
+    """llm: the policy update of the language model."""
+
+    advantage: str = Field(
+        "grpo",
+        description="Advantage: "
+        + ", ".join(BUILTIN_ADVANTAGES)
+        + " (per group of completions), or gae: PPO's, per token, from the critic's values "
+        "(places the critic role).",
+    )
+    precision: Literal["fp32", "bf16"] = Field(
+        "fp32",
+        description="LLM policy forward (RL and warm start): fp32, or bf16 autocast (matmuls in "
+        "bf16, weights, gradients and optimizer state still fp32).",
+    )
+    gradient_checkpointing: bool = Field(
+        False,
+        description="Recompute the policy's activations in the backward pass instead of "
+        "keeping them (Hugging Face gradient checkpointing): less memory, more compute.",
+    )
+    skip_zero_signal: bool = Field(
+        True,
+        description="Leave groups whose rewards are all equal (zero advantage, zero gradient) "
+        "out of the forward/backward pass; the loss is rescaled so the update is unchanged. "
+        "Not with m2po or ess_aipo, whose batch statistics count every group's tokens.",
+    )
     ess_lr: bool = Field(
         False,
         description="VCPO's step rule, with any loss: each step's learning rate is the "
@@ -424,6 +439,27 @@ class TrainerConfig(_Section):
         description="loss: kl_coef times the token-mean estimate of KL(pi || ref) is added to "
         "the loss; reward: kl_coef times each completion's summed estimate of KL(mu || ref) is "
         "subtracted from its reward before advantages.",
+    )
+
+    @field_validator("advantage")
+    @classmethod
+    def _known_advantage(cls, value: str) -> str:
+        from relayrl.algorithms.advantages import ADVANTAGES
+
+        if value not in ADVANTAGES and value != "gae":
+            allowed = ", ".join([*sorted(ADVANTAGES), "gae"])
+            raise ValueError(f"unknown advantage; allowed: {allowed}")
+        return value
+
+
+class EmbodiedTrainerConfig(TrainerConfig):
+    """embodied: the PPO-style update of the VLA policy and its value head."""
+
+    loss: str = Field(
+        "gipo",
+        description="Loss name, a key of relayrl.algorithms.losses.LOSSES: "
+        + ", ".join(BUILTIN_LOSSES)
+        + ".",
     )
     gamma: float = Field(0.99, ge=0, le=1, description="embodied: GAE discount.")
     lam: float = Field(0.95, ge=0, le=1, description="embodied: GAE lambda.")
@@ -485,25 +521,6 @@ class TrainerConfig(_Section):
     @classmethod
     def _yaml_off(cls, value: Any) -> Any:
         return "off" if value is False else value  # YAML reads a bare off as false
-
-    @field_validator("loss")
-    @classmethod
-    def _known_loss(cls, value: str) -> str:
-        from relayrl.algorithms.losses import LOSSES
-
-        if value not in LOSSES:
-            raise ValueError(f"unknown loss; allowed: {', '.join(sorted(LOSSES))}")
-        return value
-
-    @field_validator("advantage")
-    @classmethod
-    def _known_advantage(cls, value: str) -> str:
-        from relayrl.algorithms.advantages import ADVANTAGES
-
-        if value not in ADVANTAGES and value != "gae":
-            allowed = ", ".join([*sorted(ADVANTAGES), "gae"])
-            raise ValueError(f"unknown advantage; allowed: {allowed}")
-        return value
 
 
 class EnvConfig(_Section):
@@ -927,7 +944,7 @@ class ChannelsConfig(_Section):
 
 
 class SyncConfig(_Section):
-    """Weight sync from the trainer to the generator (see docs/architecture.md)."""
+    """Weight sync from the trainer to its receivers (see docs/architecture.md)."""
 
     transport: Literal["auto", "shm", "dist", "object_store", "disk"] = Field(
         "auto",
@@ -935,11 +952,6 @@ class SyncConfig(_Section):
     )
     timeout_s: float = Field(
         60.0, gt=0, description="A receiver that takes no version within this is declared lost."
-    )
-    precision: Literal["fp32", "bf16", "fp16", "int8", "fp8"] | None = Field(
-        None,
-        description="Generator precision, converted at the receiver (int8/fp8: weight-only, "
-        "per-row scales); null keeps the trainer's.",
     )
     bucket_mb: int = Field(256, ge=1, description="Largest bucket a transport moves at once.")
     streams: int = Field(
@@ -961,6 +973,16 @@ class SyncConfig(_Section):
                 f"sync.in_place=true needs sync.transport=dist, got {self.transport!r}"
             )
         return self
+
+
+class LLMSyncConfig(SyncConfig):
+    """llm: weight sync, with the precision the generators store the weights in."""
+
+    precision: Literal["fp32", "bf16", "fp16", "int8", "fp8"] | None = Field(
+        None,
+        description="Generator precision, converted at the receiver (int8/fp8: weight-only, "
+        "per-row scales); null keeps the trainer's.",
+    )
 
 
 class RayConfig(_Section):
@@ -1013,53 +1035,6 @@ class LogConfig(_Section):
     )
 
 
-# What the other workload reads and this one does not: given for this one, it is refused (a knob
-# that does nothing is a bug), and a saved config leaves it out.
-NOT_FOR: dict[str, tuple[str, ...]] = {
-    "llm": (
-        "env",
-        "rollout",
-        "inference",
-        "replay",
-        "vla",
-        "world_model",
-        "imagination",
-        "trainer.gamma",
-        "trainer.lam",
-        "trainer.value_coef",
-        "trainer.entropy_coef",
-        "trainer.epochs",
-        "trainer.minibatch_steps",
-        "trainer.value_recompute",
-        "trainer.timeout_terminal",
-        "trainer.proximal",
-        "trainer.proximal_weight_cap",
-        "trainer.minibatch_order",
-        "trainer.adv_norm",
-    ),
-    "embodied": (
-        "model",
-        "task",
-        "warm_start",
-        "generator",
-        "rewarder",
-        "channels",
-        "trainer.advantage",
-        "trainer.skip_zero_signal",
-        "trainer.ess_lr",
-        "trainer.gradient_checkpointing",
-        "trainer.precision",
-        "trainer.kl_coef",
-        "trainer.kl_estimator",
-        "trainer.kl_in",
-        "reward_model",
-        "reference",
-        "critic",
-        "sync.precision",
-    ),
-}
-
-
 # The sections that exist only while their feature is on: what turns each on, in the words of a
 # refusal. Off, the section is None, and setting any of its options is refused.
 FEATURES: dict[str, str] = {
@@ -1081,7 +1056,8 @@ def _present(description: str) -> Any:
 
 
 class Config(_Section):
-    """A whole run."""
+    """A whole run: the sections every workload has. A run's config is an LLMConfig or an
+    EmbodiedConfig (``parse_config`` picks by ``workload``), each with its own sections."""
 
     mode: Literal["sync", "async"] = Field(
         "async", description="sync: generate, score, train, publish in turn; async: overlapped."
@@ -1104,9 +1080,33 @@ class Config(_Section):
         "llm",
         description="llm: a language model on prompts (model, task, generator, rewarder); "
         "embodied: a VLA policy in a simulator (env, rollout, inference, replay, vla, "
-        "world_model).",
+        "world_model). Each has its own sections; the other's are unknown keys.",
     )
     run: RunConfig = RunConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    sync: SyncConfig = SyncConfig()
+    ray: RayConfig = RayConfig()
+    log: LogConfig = LogConfig()
+
+    def features(self) -> set[str]:
+        """The optional sections whose feature is on (see FEATURES)."""
+        return set()
+
+    @model_validator(mode="after")
+    def _check(self, info: ValidationInfo) -> Config:
+        if type(self) is Config:
+            raise TypeError("Config is the base of LLMConfig and EmbodiedConfig; use parse_config")
+        wanted = {"world_model"} if (info.context or {}).get("world_model") else set()
+        _place_features(self, wanted)
+        for rule in RULES[self.workload]:
+            rule(self)
+        return self
+
+
+class LLMConfig(Config):
+    """A run of a language model on prompts."""
+
+    workload: Literal["llm"] = Field("llm", description="llm: a language model on prompts.")
     model: ModelConfig = ModelConfig()
     task: TaskConfig = TaskConfig()
     warm_start: WarmStartConfig = WarmStartConfig()
@@ -1122,11 +1122,29 @@ class Config(_Section):
     critic: CriticConfig | None = _present(
         "llm: the value model, present when trainer.advantage=gae"
     )
-    trainer: TrainerConfig = TrainerConfig()
+    trainer: LLMTrainerConfig = LLMTrainerConfig()
     channels: ChannelsConfig = ChannelsConfig()
-    sync: SyncConfig = SyncConfig()
-    ray: RayConfig = RayConfig()
-    log: LogConfig = LogConfig()
+    sync: LLMSyncConfig = LLMSyncConfig()
+
+    def features(self) -> set[str]:
+        """The optional sections whose feature is on (see FEATURES)."""
+        on = set()
+        if self.reward_model is not None and self.reward_model.path is not None:
+            on.add("reward_model")
+        if self.trainer.kl_coef > 0:
+            on.add("reference")
+        if self.trainer.advantage == "gae":
+            on.add("critic")
+        return on
+
+
+class EmbodiedConfig(Config):
+    """A run of a VLA policy in a simulator."""
+
+    workload: Literal["embodied"] = Field(
+        "embodied", description="embodied: a VLA policy in a simulator."
+    )
+    trainer: EmbodiedTrainerConfig = EmbodiedTrainerConfig()
     env: EnvConfig = EnvConfig()
     rollout: RolloutConfig = RolloutConfig()
     inference: InferenceConfig = InferenceConfig()
@@ -1141,60 +1159,34 @@ class Config(_Section):
 
     def features(self) -> set[str]:
         """The optional sections whose feature is on (see FEATURES)."""
-        on = set()
-        if self.reward_model is not None and self.reward_model.path is not None:
-            on.add("reward_model")
-        if self.trainer.kl_coef > 0:
-            on.add("reference")
-        if self.trainer.advantage == "gae":
-            on.add("critic")
         if self.imagination is not None and self.imagination.episodes_per_real > 0:
-            on.add("imagination")
-        return on
-
-    @model_validator(mode="after")
-    def _check(self, info: ValidationInfo) -> Config:
-        # One trainer section serves both workloads; only its loss default differs.
-        if self.workload == "embodied" and "loss" not in self.trainer.model_fields_set:
-            self.trainer.loss = "gipo"
-        _workload_reads_every_section(self)
-        wanted = {"world_model"} if (info.context or {}).get("world_model") else set()
-        _place_features(self, wanted)
-        for rule in RULES:
-            rule(self)
-        return self
+            return {"imagination", "world_model"}
+        return set()
 
 
-def _workload_reads_every_section(cfg: Config) -> None:
-    """Options only the other workload reads are refused (``NOT_FOR``)."""
-    for key in NOT_FOR[cfg.workload]:
-        section, _, name = key.partition(".")
-        if name:
-            given = getattr(cfg, section).model_fields_set
-        else:
-            given = cfg.model_fields_set if getattr(cfg, section) is not None else set()
-        if (name or section) in given:
-            other = next(w for w in NOT_FOR if w != cfg.workload)
-            raise ValueError(
-                f"{key}: does not apply to workload={cfg.workload!r} (only "
-                f"workload={other!r} reads it); remove it or set workload={other}"
-            )
+CONFIGS: dict[str, type[Config]] = {"llm": LLMConfig, "embodied": EmbodiedConfig}
+"""The config model of each workload."""
+_ANY_CONFIG = TypeAdapter(Annotated[LLMConfig | EmbodiedConfig, Field(discriminator="workload")])
+
+
+def _features_of(cfg: Config) -> list[str]:
+    """The optional sections (``FEATURES``) the config's workload has."""
+    return [name for name in FEATURES if name in type(cfg).model_fields]
 
 
 def _place_features(cfg: Config, wanted: set[str]) -> None:
     """Each optional section is its defaults while its feature is on and None while it is off;
     an option set while it is off is refused, naming what turns it on. ``wanted``: sections the
     caller reads whatever the run places (the world model of the relayrl wm commands)."""
-    on = cfg.features()
-    if cfg.workload == "embodied" and ("imagination" in on or "world_model" in wanted):
-        on.add("world_model")
-    annotations = {name: Config.model_fields[name].annotation for name in FEATURES}
-    for name in FEATURES:
+    names = _features_of(cfg)
+    on = cfg.features() | (wanted & set(names))
+    for name in names:
         section = getattr(cfg, name)
         if name in on:
             if section is None:
                 # Not an assignment: that would validate the whole Config again.
-                cfg.__dict__[name] = get_args(annotations[name])[0]()
+                model = _section_model(type(cfg).model_fields[name].annotation)
+                cfg.__dict__[name] = model()
             continue
         if section is None:
             continue
@@ -1243,14 +1235,24 @@ SETTINGS: dict[str, tuple[str, Callable[[Config], bool]]] = {
 
 def _options_belong_to_their_setting(cfg: Config) -> None:
     """An option read only under a setting (``SETTINGS``) is refused while it does not hold."""
-    for key, (setting, holds) in SETTINGS.items():
-        section, _, name = key.partition(".")
-        given = getattr(cfg, section)
-        if given is not None and name in given.model_fields_set and not holds(cfg):
+    for key, given, name, setting in _settings_off(cfg):
+        if name in given.model_fields_set:
             raise ValueError(
                 f"{key} = {getattr(given, name)!r}: read only with {setting}; remove it or set "
                 f"{setting}"
             )
+
+
+def _settings_off(cfg: Config) -> list[tuple[str, BaseModel, str, str]]:
+    """The options of ``SETTINGS`` the config has whose setting does not hold: (key, section,
+    field name, setting)."""
+    off = []
+    for key, (setting, holds) in SETTINGS.items():
+        section, _, name = key.partition(".")
+        given = getattr(cfg, section, None)
+        if given is not None and name in type(given).model_fields and not holds(cfg):
+            off.append((key, given, name, setting))
+    return off
 
 
 def _loss_options_belong_to_the_loss(cfg: Config) -> None:
@@ -1275,7 +1277,7 @@ def _loss_options_belong_to_the_loss(cfg: Config) -> None:
 
 def _patch_divides_the_image(cfg: Config) -> None:
     """The VLA cuts each frame into whole patches."""
-    if cfg.workload == "embodied" and cfg.env.image_size % cfg.vla.patch_size:
+    if cfg.env.image_size % cfg.vla.patch_size:
         raise ValueError(
             f"env.image_size={cfg.env.image_size} must be a multiple of "
             f"vla.patch_size={cfg.vla.patch_size}"
@@ -1441,27 +1443,33 @@ def _in_place_sync_needs_one_rank(cfg: Config) -> None:
         )
 
 
-# The checks across sections, in the order they run after the sections are placed; each raises
-# one line naming its fields and what would make them valid.
-RULES = (
-    _loss_options_belong_to_the_loss,
-    _options_belong_to_their_setting,
-    _patch_divides_the_image,
-    _world_model_fits_the_image,
-    _imagination_needs_async,
-    _waiting_workers_have_a_reader,
-    _imagined_share_fits_its_buffer,
-    _inference_lag_within_staleness,
-    _inference_lag_needs_held_copies,
-    _generator_lag_within_staleness,
-    _generator_lag_fits_the_channels,
-    _fused_recompute_settings,
-    _current_proximal_needs_the_value_pass,
-    _gae_takes_the_kl_in_the_loss,
-    _several_envs_need_async,
-    _int8_generator_needs_int8_storage,
-    _in_place_sync_needs_one_rank,
-)
+# The checks across sections of each workload, in the order they run after the sections are
+# placed; each raises one line naming its fields and what would make them valid.
+_EVERY_RUN = (_loss_options_belong_to_the_loss, _options_belong_to_their_setting)
+RULES: dict[str, tuple[Callable[[Any], None], ...]] = {
+    "llm": (
+        *_EVERY_RUN,
+        _generator_lag_within_staleness,
+        _generator_lag_fits_the_channels,
+        _gae_takes_the_kl_in_the_loss,
+        _int8_generator_needs_int8_storage,
+        _in_place_sync_needs_one_rank,
+    ),
+    "embodied": (
+        *_EVERY_RUN,
+        _patch_divides_the_image,
+        _world_model_fits_the_image,
+        _imagination_needs_async,
+        _waiting_workers_have_a_reader,
+        _imagined_share_fits_its_buffer,
+        _inference_lag_within_staleness,
+        _inference_lag_needs_held_copies,
+        _fused_recompute_settings,
+        _current_proximal_needs_the_value_pass,
+        _several_envs_need_async,
+        _in_place_sync_needs_one_rank,
+    ),
+}
 
 
 def load_config(
@@ -1491,8 +1499,18 @@ def load_config(
     # A preset's loss options apply with its loss: a later trainer.loss leaves them out.
     layers = [_for_loss(layer, _final_loss(merged)) for layer in layers]
     merged = _merge(tree, layers, overrides)
+    return parse_config(merged, world_model=world_model)
+
+
+def parse_config(tree: dict[str, Any], *, world_model: bool = False) -> Config:
+    """The LLMConfig or EmbodiedConfig a mapping describes, by its ``workload`` (llm when unset);
+    ConfigError naming the first problem. ``world_model``: as for ``load_config``."""
+    tree = {"workload": "llm", **tree}
+    if tree["workload"] not in CONFIGS:
+        allowed = " or ".join(repr(name) for name in CONFIGS)
+        raise ConfigError(f"workload = {tree['workload']!r}: Input should be {allowed}")
     try:
-        return Config.model_validate(merged, context={"world_model": world_model})
+        return _ANY_CONFIG.validate_python(tree, context={"world_model": world_model})
     except ValidationError as err:
         raise ConfigError(_describe(err)) from None
 
@@ -1515,7 +1533,8 @@ def _final_loss(tree: dict[str, Any]) -> Any:
     trainer = tree.get("trainer")
     if isinstance(trainer, dict) and "loss" in trainer:
         return trainer["loss"]
-    return "gipo" if tree.get("workload") == "embodied" else TrainerConfig().loss
+    config = CONFIGS.get(tree.get("workload", "llm"), LLMConfig)
+    return config.model_fields["trainer"].default.loss
 
 
 def _for_loss(layer: dict[str, Any], loss: Any) -> dict[str, Any]:
@@ -1564,10 +1583,17 @@ def _yaml_problem(err: Exception) -> str:
 def _describe(err: ValidationError) -> str:
     """One line per the first validation error: field, value, what is allowed."""
     first = err.errors()[0]
-    where = ".".join(str(part) for part in first["loc"])
+    workload, *loc = first["loc"]  # the union's tag comes first
+    where = ".".join(str(part) for part in loc)
     value = first.get("input")
     if first["type"] == "extra_forbidden":
-        allowed = ", ".join(_fields_at(first["loc"][:-1]))
+        other = next(name for name in CONFIGS if name != workload)
+        if loc and str(loc[-1]) in (_fields_at(CONFIGS[other], loc[:-1]) or []):
+            return (
+                f"{where}: does not apply to workload={workload!r} (only workload={other!r} "
+                f"reads it); remove it or set workload={other}"
+            )
+        allowed = ", ".join(_fields_at(CONFIGS[str(workload)], loc[:-1]) or [])
         return f"{where}: unknown key (allowed here: {allowed})"
     message = first["msg"].removeprefix("Value error, ")
     if not where:  # a check across sections names its fields itself
@@ -1576,10 +1602,15 @@ def _describe(err: ValidationError) -> str:
     return f"{where} = {value!r}: {message}{more}"
 
 
-def _fields_at(loc: tuple) -> list[str]:
-    model: type[BaseModel] = Config
+def _fields_at(model: Any, loc: Sequence[Any]) -> list[str] | None:
+    """The fields of the section at ``loc`` under ``model``; None where there is none."""
     for part in loc:
-        model = _section_model(model.model_fields[str(part)].annotation)
+        field = model.model_fields.get(str(part)) if isinstance(model, type) else None
+        if field is None or not hasattr(model, "model_fields"):
+            return None
+        model = _section_model(field.annotation)
+    if not (isinstance(model, type) and issubclass(model, BaseModel)):
+        return None
     return list(model.model_fields)
 
 
@@ -1590,32 +1621,39 @@ def _section_model(annotation: Any) -> Any:
 
 
 def save_config(config: Config, path: Path) -> None:
-    """Write the resolved config as YAML, without what its run does not read: the other
-    workload's options, the sections of features that are off, the other losses' options."""
+    """Write the resolved config as YAML, without what its run does not read: the sections of
+    features that are off, the other losses' options and the options of settings that are off."""
     from relayrl.algorithms.losses import LOSS_OPTIONS
 
-    exclude: dict[str, Any] = {}
-    for key in NOT_FOR[config.workload]:
-        section, _, name = key.partition(".")
-        if name:
-            exclude.setdefault(section, set()).add(name)
-        else:
-            exclude[section] = True
-    exclude |= {name: True for name in FEATURES if getattr(config, name) is None}
+    exclude: dict[str, Any] = {
+        name: True for name in _features_of(config) if getattr(config, name) is None
+    }
     mine = set(LOSS_OPTIONS.get(config.trainer.loss, {}).values())
     others = {f for options in LOSS_OPTIONS.values() for f in options.values()} - mine
-    exclude.setdefault("trainer", set()).update(others)
-    for key, (_, holds) in SETTINGS.items():
-        section, _, name = key.partition(".")
-        if getattr(config, section) is not None and not holds(config):
-            exclude.setdefault(section, set()).add(name)
+    exclude["trainer"] = others
+    for key, _, name, _ in _settings_off(config):
+        exclude.setdefault(key.partition(".")[0], set()).add(name)
     tree = config.model_dump(mode="json", exclude=exclude)
     path.write_text(yaml.safe_dump(tree, sort_keys=False))
 
 
 def reference_markdown() -> str:
-    """The config reference as a Markdown table, generated from the models above."""
-    lines = ["| key | type | default | description |", "|---|---|---|---|"]
+    """The config reference as Markdown tables generated from the models above: the options of
+    every run, then those of each workload (a key whose row differs between them is in both)."""
+    rows = {name: _reference_rows(model) for name, model in CONFIGS.items()}
+    base = _reference_rows(Config)
+    common = [k for k in base if k == "workload" or all(r.get(k) == base[k] for r in rows.values())]
+    header = ["| key | type | default | description |", "|---|---|---|---|"]
+    lines = ["Every run:", "", *header, *(base[k] for k in common)]
+    for name, own in rows.items():
+        lines += ["", f"`workload: {name}`:", "", *header]
+        lines += [row for key, row in own.items() if key not in common]
+    return "\n".join(lines) + "\n"
+
+
+def _reference_rows(config: type[BaseModel]) -> dict[str, str]:
+    """The reference's table row of each option of ``config``, by dotted key."""
+    lines: dict[str, str] = {}
 
     def walk(model: type[BaseModel], prefix: str) -> None:
         for name, field in model.model_fields.items():
@@ -1623,14 +1661,18 @@ def reference_markdown() -> str:
             annotation = _section_model(field.annotation)
             if isinstance(annotation, type) and issubclass(annotation, BaseModel):
                 if annotation is not field.annotation:  # an optional section: when it is there
-                    lines.append(f"| `{key}` | section or null | `null` | {field.description} |")
+                    lines[key] = f"| `{key}` | section or null | `null` | {field.description} |"
                 walk(annotation, key + ".")
                 continue
-            default = json.dumps(field.get_default(call_default_factory=True))
-            lines.append(f"| `{key}` | {_kind(annotation)} | `{default}` | {field.description} |")
+            default = (
+                "required"
+                if field.is_required()
+                else json.dumps(field.get_default(call_default_factory=True))
+            )
+            lines[key] = f"| `{key}` | {_kind(annotation)} | `{default}` | {field.description} |"
 
-    walk(Config, "")
-    return "\n".join(lines) + "\n"
+    walk(config, "")
+    return lines
 
 
 def _kind(annotation: Any) -> str:
