@@ -8,10 +8,11 @@ round). Every ``--every`` rounds it measures on the held-out rest of the episode
 
 - M_obs: per-step PSNR (the real context) against copying the last frame;
 - M_reward: success and failure AUC over every frame;
-- imagination as the rollout workers play it (``Imaginer`` with the world model's batch function
-  and the start policy): the success rate, failed-before-the-cap rate and mean length of
-  ``imagination.episodes_per_real`` imagined episodes after each held-out real episode, beside
-  the real success and failure rates of those episodes.
+- imagination as the rollout workers play it (``WorldModelEnv``s over the world model's batch
+  function, acted in by the start policy): the success rate, failed-before-the-cap rate and mean
+  length of ``imagination.episodes_per_real`` imagined episodes after each held-out real episode
+  (started from the last ``imagination.cache_episodes`` of them), beside the real success and
+  failure rates of those episodes.
 
 It writes ``benchmarks/results/world_model_finetune[_TAG].json`` and ``.png`` (the measures
 against rounds), and a strip of imagined frames (4 held-out starts, 16 steps, before and after
@@ -24,8 +25,11 @@ fine-tuning, under the real episodes) as ``..._frames.png``.
 from __future__ import annotations
 
 import argparse
+import random
 import sys
 import time
+from concurrent.futures import Future
+from dataclasses import replace
 from pathlib import Path
 
 import matplotlib
@@ -40,7 +44,9 @@ from common import provenance, relative, save_result  # noqa: E402
 
 from relayrl.config import load_config  # noqa: E402
 from relayrl.data.trajectories import Episode  # noqa: E402
-from relayrl.executors.imagination import ImaginationSettings, Imaginer  # noqa: E402
+from relayrl.envs.embodied import ActionSpace  # noqa: E402
+from relayrl.envs.world_model_env import RealStarts, WorldModelEnv  # noqa: E402
+from relayrl.executors.imagination import ImaginationSettings  # noqa: E402
 from relayrl.executors.worker_side import ENVS  # noqa: E402
 from relayrl.executors.world_model_trainer import WorldModelTrainer  # noqa: E402
 from relayrl.models.world_model import imagine, start_context, world_model_configs  # noqa: E402
@@ -103,20 +109,7 @@ def measure(cfg, trainer: WorldModelTrainer, heldout: list[Episode], policy, see
     index = transition_index(heldout, np.arange(len(heldout)))
     mse, copy = frame_mse(model.obs, transitions(heldout, index, k), torch.Generator())
     scores = success_scores(model.reward, heldout, wm.threshold, wm.failure_threshold)
-    generator = torch.Generator().manual_seed(seed)
-    settings = ImaginationSettings.from_config(cfg)
-    segments: list = []
-    imaginer = Imaginer(
-        settings,
-        lambda requests: world_model_replies(model, requests, False, generator, 0),
-        segments.append,
-        lambda episodes: None,
-        seed=seed,
-    )
-    service = _Service(policy, seed)
-    for episode in heldout:
-        imaginer.after_episode(episode, service, 0, 0)
-    ended = [s for s in segments if s.episode_done]
+    ended = imagined_episodes(cfg, model, heldout, _Service(policy, seed), seed)
     trainer.model.train()
     return {
         "psnr": psnr(float(mse.mean())),
@@ -124,10 +117,61 @@ def measure(cfg, trainer: WorldModelTrainer, heldout: list[Episode], policy, see
         "success_auc": scores["auc"],
         "failure_auc": (scores.get("failure") or {}).get("auc"),
         "imagined_episodes": len(ended),
-        "imagined_success": float(np.mean([s.success for s in ended])),
-        "imagined_failed_early": float(np.mean([s.terminated and not s.success for s in ended])),
-        "imagined_mean_length": sum(len(s) for s in segments) / len(ended),
+        "imagined_success": float(np.mean([r.success for r in ended])),
+        "imagined_failed_early": float(np.mean([r.terminated and not r.success for r in ended])),
+        "imagined_mean_length": float(np.mean([r.obs.step - r.info["start"] for r in ended])),
     }
+
+
+class _Answered:
+    """The world model's batch function behind ``submit``, one request at a time."""
+
+    def __init__(self, model, seed: int):
+        self.model, self.generator = model, torch.Generator().manual_seed(seed)
+
+    def submit(self, request) -> Future:
+        future: Future = Future()
+        future.set_result(world_model_replies(self.model, [request], False, self.generator, 0)[0])
+        return future
+
+
+def imagined_episodes(cfg, model, heldout: list[Episode], service: _Service, seed: int) -> list:
+    """The last step of each imagined episode played after each held-out real episode, as a
+    worker's ``WorldModelEnv``s play them (``info["start"]``: the real step it started from)."""
+    s, rng = ImaginationSettings.from_config(cfg), random.Random(seed)
+    starts, world_model = RealStarts(s.cache_episodes), _Answered(model, seed)
+    space = ActionSpace("discrete", model.obs.cfg.action_vocab)
+    envs = [
+        WorldModelEnv(
+            world_model,
+            starts,
+            space,
+            context_frames=s.context_frames,
+            threshold=s.threshold,
+            max_steps=s.max_steps,
+            terminal_reward=s.terminal_reward,
+            fail_threshold=s.fail_threshold,
+        )
+        for _ in range(s.episodes_per_real)
+    ]
+    ended = []
+    for episode in heldout:
+        starts.add(episode)
+        live = [(env, env.reset(seed=rng.randrange(2**31))) for env in envs]
+        begun = {id(env): obs.step for env, obs in live}
+        while live:
+            replies = service.act_many([obs for _, obs in live], 0, 0)
+            stepped = [
+                (env, env.step(space.to_env(r.actions)))
+                for (env, _), r in zip(live, replies, strict=True)
+            ]
+            live = []
+            for env, result in stepped:
+                if result.terminated or result.truncated:
+                    ended.append(replace(result, info=result.info | {"start": begun[id(env)]}))
+                else:
+                    live.append((env, result.obs))
+    return ended
 
 
 def strip(trainer: WorldModelTrainer, starts: list[Episode], policy, seed: int) -> np.ndarray:

@@ -19,10 +19,13 @@ steps of its unfinished segment are counted as ``dropped_error_steps``, the env 
 anew, and the worker carries on. Every env step is accounted for:
 ``env_steps == segment_steps + dropped_error_steps + open_steps`` (open steps of every env).
 
-With imagination (``set_imagination``, AcceRL-WM) the worker also keeps each episode's frames and
-actions, and after each real episode of ``run`` hands it to its ``Imaginer``
-(``relayrl.executors.imagination``), which plays imagined episodes through the same service and
-puts their segments into ``B_img``; the worker waits for that round, as AcceRL's workers do.
+With imagination (``set_imagination``, AcceRL-WM; ``relayrl.executors.imagination``) the worker
+also steps ``WorldModelEnv`` slots in ``run``, beside its real envs and in the same rounds: their
+observations go into the same act request, their episodes through the same segmenter. Their
+segments are tagged ``imagined`` with the world-model version of their last step and go to
+``B_img``; their steps are not env steps and count in the imagination's books only. The worker
+keeps each real episode's frames and actions, and hands the episodes a round finished to its
+imagination (for ``B_wm`` and the cache imagined episodes start from).
 
 The worker's books leave it with every request for an action (``run``: its id and ``env_steps``)
 and every answer to a step (``Stepped.env_steps``), besides the segments it closes: a controller
@@ -52,7 +55,7 @@ from relayrl.envs.embodied import EmbodiedEnv, Observation, StepResult
 from relayrl.types import ActReply, Segment, segment_arrays
 
 if TYPE_CHECKING:  # imagination needs torch; a worker without it never imports it
-    from relayrl.executors.imagination import Imaginer
+    from relayrl.executors.imagination import Imagination
 
 
 @dataclass
@@ -98,7 +101,8 @@ class _Slot:
     """One env of a worker and the episode it is playing (``obs`` None: the next observe
     resets)."""
 
-    env: _EnvThread
+    env: _EnvThread | _EnvInline
+    imagined: bool = False  # a WorldModelEnv: its steps are imagined, not env steps
     obs: Observation | None = None
     open: _OpenSegment | None = None
     episode: int = -1
@@ -107,7 +111,7 @@ class _Slot:
     episode_return: float = 0.0
     length: int = 0
     seed: int = 0
-    # The whole episode, kept only with imagination (B_wm and the imagination cache take it).
+    # The whole real episode, kept only with imagination (B_wm and the imagination cache take it).
     frames: list[np.ndarray] = field(default_factory=list)
     actions: list[np.ndarray] = field(default_factory=list)
     rewards: list[float] = field(default_factory=list)
@@ -176,12 +180,17 @@ class RolloutWorker:
         self._busy_s = 0.0
         self._wait_s = 0.0
         self._sink_wait_s = 0.0
-        self.imaginer: Imaginer | None = None
-        self._finished: list[Episode] = []  # with imagination: episodes ended, not imagined from
+        self.imagination: Imagination | None = None
+        self._finished: list[Episode] = []  # with imagination: real episodes ended, not handed on
 
-    def set_imagination(self, imaginer: Imaginer) -> None:
-        """Imagine after every real episode of ``run`` from now on (see the module docstring)."""
-        self.imaginer = imaginer
+    def set_imagination(self, imagination: Imagination) -> None:
+        """Step ``imagination``'s ``WorldModelEnv`` slots beside the real envs in ``run`` from
+        now on (see the module docstring)."""
+        real = [slot for slot in self.slots if not slot.imagined]
+        envs = imagination.make_envs(len(real), real[0].env.action_space, real[0].env.tasks)
+        self.imagination = imagination
+        # Inline: a world-model env's step only sends a request, and returns its reply's future.
+        self.slots = real + [_Slot(_EnvInline(lambda e=env: e), imagined=True) for env in envs]
 
     def observe(self) -> Observation:
         """The observation to act on, starting a new episode first if the last one ended."""
@@ -226,7 +235,8 @@ class RolloutWorker:
         emitted = 0
         try:
             while not self._stop.is_set() and (max_segments is None or emitted < max_segments):
-                observations = [self._observe(slot) for slot in self.slots]
+                slots = [slot for slot in self.slots if self._playing(slot)]
+                observations = [self._observe(slot) for slot in slots]
                 start = time.perf_counter()
                 asked = (self.worker_id, self._counts["env_steps"])
                 if hasattr(service, "act_many"):
@@ -235,7 +245,11 @@ class RolloutWorker:
                     replies = [service(obs, *asked) for obs in observations]
                 self._wait_s += time.perf_counter() - start
                 answers = [(r.actions, r.logprobs, r.value, r.version) for r in replies]
-                closed = self._step_slots(self.slots, answers).segments
+                closed = self._step_slots(slots, answers).segments
+                if self.imagination is not None:
+                    if imagined := [s for s in closed if s.imagined]:
+                        self.imagination.put(imagined)
+                    closed = [s for s in closed if not s.imagined]
                 if closed and hasattr(sink, "put_many"):
                     sink.put_many(closed)
                 else:
@@ -246,9 +260,9 @@ class RolloutWorker:
                     start = time.perf_counter()
                     sink.wait_for_room(self._stop)
                     self._sink_wait_s += time.perf_counter() - start
-                while self.imaginer is not None and self._finished:
-                    episode = self._finished.pop(0)
-                    self.imaginer.after_episode(episode, service, *asked)
+                if self.imagination is not None and self._finished:
+                    self.imagination.real_episodes(self._finished)
+                    self._finished = []
         finally:
             self._stop.clear()
             if hasattr(service, "close"):
@@ -273,7 +287,7 @@ class RolloutWorker:
         of the open segment, busy seconds (in env reset/step), wait seconds on the service and on
         the sink (for room in the replay buffer)."""
         with self._lock:
-            imagined = self.imaginer.counts if self.imaginer is not None else {}
+            imagined = self.imagination.counts if self.imagination is not None else {}
             return {
                 **self._counts,
                 "imagined": dict(imagined),
@@ -297,7 +311,9 @@ class RolloutWorker:
                 "episode": self._episode,
                 "rng": self._rng.getstate(),
                 "task_sampler": _sampler_state(self.task_sampler),
-                "imaginer": self.imaginer.state_dict() if self.imaginer is not None else None,
+                "imagination": (
+                    self.imagination.state_dict() if self.imagination is not None else None
+                ),
             }
 
     def load_state_dict(self, state: dict) -> None:
@@ -310,8 +326,8 @@ class RolloutWorker:
             self._rng.setstate(state["rng"])
             if state.get("task_sampler") is not None:
                 self.task_sampler.load_state_dict(state["task_sampler"])
-            if self.imaginer is not None and state.get("imaginer") is not None:
-                self.imaginer.load_state_dict(state["imaginer"])
+            if self.imagination is not None and state.get("imagination") is not None:
+                self.imagination.load_state_dict(state["imagination"])
             self._finished.clear()
             for slot in self.slots:
                 slot.obs, slot.open = None, None
@@ -322,12 +338,33 @@ class RolloutWorker:
             slot.env.close()
 
     def _open_steps(self) -> int:
-        return sum(len(slot.open.actions) for slot in self.slots if slot.open is not None)
+        """Env steps of the real envs' open segments."""
+        return sum(
+            len(slot.open.actions)
+            for slot in self.slots
+            if slot.open is not None and not slot.imagined
+        )
 
     def _observe(self, slot: _Slot) -> Observation:
         while slot.obs is None:
             self._reset(slot)
         return slot.obs
+
+    def _playing(self, slot: _Slot) -> bool:
+        """Whether ``slot`` takes part in this round: a real env always, an imagined one while
+        it plays an episode or can start one that is due."""
+        if not slot.imagined or slot.obs is not None:
+            return True
+        start = self.imagination.start()
+        if start is None:
+            return False
+        slot.episode, slot.seed = start
+        # The world-model service is the run's, not this env's: its errors are not contained.
+        obs = slot.env.reset(seed=slot.seed)
+        slot.task, slot.instruction = obs.task, obs.instruction
+        slot.episode_return, slot.length = 0.0, 0
+        slot.obs, slot.open = obs, _OpenSegment.starting_at(obs)
+        return True
 
     def _step_slots(self, slots: list[_Slot], answers: list[tuple]) -> Stepped:
         """Step each of ``slots`` with its answer (tokens, logprobs, value, version), the envs
@@ -360,6 +397,8 @@ class RolloutWorker:
                 closed += self._record(slot, *answer, outcome)
         for slot, outcome in zip(slots, outcomes, strict=True):
             if isinstance(outcome, Exception):
+                if slot.imagined:  # the world-model service failed, not an env of this worker
+                    raise outcome
                 self._on_env_error(slot, outcome, "step")
         return Stepped(closed, self.worker_id, self._counts["env_steps"])
 
@@ -373,8 +412,9 @@ class RolloutWorker:
         result: StepResult,
     ) -> list[Segment]:
         """Book one env step of ``slot``; returns the segment it closed, if any."""
-        self._counts["env_steps"] += 1
-        self._consecutive_errors = 0
+        if not slot.imagined:
+            self._counts["env_steps"] += 1
+            self._consecutive_errors = 0
         seg = slot.open
         seg.actions.append(tokens)
         seg.logprobs.append(logp)
@@ -383,7 +423,7 @@ class RolloutWorker:
         seg.versions.append(version)
         seg.images.append(_copy_image(result.obs))
         seg.steps.append(result.obs.step)
-        if self.imaginer is not None:
+        if self.imagination is not None and not slot.imagined:
             slot.frames.append(seg.images[-1])
             slot.actions.append(tokens)
             slot.rewards.append(float(result.reward))
@@ -394,8 +434,10 @@ class RolloutWorker:
         if done or len(seg.actions) == self.segment_len:
             closed.append(self._close_segment(slot, seg, result, done))
             slot.open = None if done else _OpenSegment.starting_at(result.obs)
-        if done:
-            if self.imaginer is not None:
+        if done and slot.imagined:
+            slot.obs = None
+        elif done:
+            if self.imagination is not None:
                 self._finished.append(self._episode_of(slot, result))
             self._finish_episode(slot, result.success)
         else:
@@ -420,7 +462,7 @@ class RolloutWorker:
         slot.obs = obs
         slot.open = _OpenSegment.starting_at(obs)
         slot.seed = seed
-        if self.imaginer is not None:
+        if self.imagination is not None:
             slot.frames, slot.actions, slot.rewards = [slot.open.images[0]], [], []
 
     def _episode_of(self, slot: _Slot, result: StepResult) -> Episode:
@@ -441,8 +483,15 @@ class RolloutWorker:
     def _close_segment(
         self, slot: _Slot, seg: _OpenSegment, result: StepResult, done: bool
     ) -> Segment:
-        self._counts["segments"] += 1
-        self._counts["segment_steps"] += len(seg.actions)
+        if slot.imagined:  # counted by the imagination once put into B_img
+            tags = {"imagined": True, "wm_version": result.info["wm_version"]}
+        else:
+            self._counts["segments"] += 1
+            self._counts["segment_steps"] += len(seg.actions)
+            tags = {
+                "worker_env_steps": self._counts["env_steps"],
+                "worker_dropped_error": self._counts["dropped_error_steps"],
+            }
         return Segment(
             worker=self.worker_id,
             episode=slot.episode,
@@ -452,8 +501,7 @@ class RolloutWorker:
             terminated=done and result.terminated,
             episode_done=done,
             success=done and result.success,
-            worker_env_steps=self._counts["env_steps"],
-            worker_dropped_error=self._counts["dropped_error_steps"],
+            **tags,
         )
 
     def _finish_episode(self, slot: _Slot, success: bool) -> None:
@@ -545,7 +593,10 @@ class _EnvInline:
         return self.env.step(action)
 
     def submit_step(self, action: Any) -> Future:
-        """``env.step`` run now; its outcome (result or error) as a finished future."""
+        """``env.step`` run now; its outcome (result or error) as a finished future. An env with
+        a ``submit_step`` of its own (``WorldModelEnv``) starts the step and returns its future."""
+        if hasattr(self.env, "submit_step"):
+            return self.env.submit_step(action)
         future: Future = Future()
         try:
             future.set_result(self.env.step(action))

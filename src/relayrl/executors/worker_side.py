@@ -12,6 +12,7 @@ import dataclasses
 import random
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -190,14 +191,16 @@ class BufferSink:
 
 
 class WorldModelClient:
-    """What a rollout worker's imagination calls: a world-model service replica, every request
-    of a step in flight at once (the replica batches them)."""
+    """What a rollout worker's ``WorldModelEnv``s step through: a world-model service replica.
+    A request returns its reply's future at once, so every imagined env's request of a round is
+    in flight together and the replica batches them."""
 
     def __init__(self, service: Any):
         self.service = service
 
-    def __call__(self, requests: list[Any]) -> list[Any]:
-        return ray.get([self.service.act.remote(r) for r in requests])
+    def submit(self, request: Any) -> Future:
+        """Send ``request`` (a ``WMRequest``); the future of its ``WMReply``."""
+        return self.service.act.remote(request).future()
 
 
 class EpisodeSink:

@@ -5,8 +5,9 @@ streamed through the replay buffer), which recomputes values and GAE and applies
 With ``imagination.episodes_per_real > 0`` (AcceRL-WM, async mode) three more roles are placed: the
 ``world_model_trainer`` (M_obs and M_reward, and ``B_wm``), ``world_model_service`` replicas (an
 ``InferenceService`` answering imagination requests) and the ``imagined_buffer`` (``B_img``, a
-replay buffer of imagined segments). Each worker hands its real episodes to ``B_wm`` and imagines
-after each one (``relayrl.executors.imagination``); every super-batch takes
+replay buffer of imagined segments). Each worker hands its real episodes to ``B_wm`` and steps
+``WorldModelEnv`` slots beside its real envs (``relayrl.executors.imagination``), their segments
+going to ``B_img``; every super-batch takes
 ``imagination.real_ratio`` of its env steps from the replay buffer and the rest from ``B_img``;
 after every policy step the world-model trainer runs its round (T_obs, T_reward) beside the loop
 and its new version is published to the world-model replicas once the round ends. Imagined env
@@ -35,7 +36,7 @@ from relayrl.algorithms.dwr import DynamicWeightedResampler
 from relayrl.channels.act_socket import SocketServiceClient
 from relayrl.config import Config, ConfigError
 from relayrl.envs.embodied import EmbodiedEnv
-from relayrl.executors.imagination import ImaginationSettings, Imaginer
+from relayrl.executors.imagination import Imagination, ImaginationSettings
 from relayrl.executors.inference_service import InferenceService
 from relayrl.executors.replay_buffer import ReplayBuffer
 from relayrl.executors.rollout_worker import RolloutWorker
@@ -254,7 +255,7 @@ class EmbodiedWorkload:
         ray.get(
             [
                 worker.set_imagination.remote(
-                    Imaginer(
+                    Imagination(
                         settings,
                         WorldModelClient(self.wm_services[i % len(self.wm_services)]),
                         BufferSink(self.imagined_buffer),
