@@ -50,9 +50,12 @@ def test_the_seeded_protocol_plays_episode_i_from_seed_i_and_counts_them(tmp_pat
     row = report["tasks"][LEVEL]
     assert report["protocol"] == "seeded" and report["episodes"] == 3
     assert row["seeds"] == [SEED_STRIDE + i for i in range(3)]
-    # The same episodes played here, by the same policy sampling from the same seeded stream.
-    actor, env = CheckpointPolicy(ckpt, seed=1), build_env(cfg.env, 0)
-    played = [play_episode(env, actor, task=LEVEL, seed=s) for s in row["seeds"]]
+    # The same episodes played here: episode i resets with its seed and samples its actions
+    # from a generator seeded with it.
+    env = build_env(cfg.env, 0)
+    played = [
+        play_episode(env, CheckpointPolicy(ckpt, seed=s), task=LEVEL, seed=s) for s in row["seeds"]
+    ]
     assert row["successes"] == sum(e.success for e in played)
     assert row["mean_steps"] == pytest.approx(sum(len(e.actions) for e in played) / 3)
     assert report["success_rate"] == row["successes"] / 3

@@ -100,13 +100,15 @@ def main(argv: list[str] | None = None) -> int:
     report.add_argument("run_dir", help="a run directory written by relayrl train")
     evaluate = commands.add_parser(
         "eval",
-        help="score an LLM checkpoint on math data, or play an embodied run's policy",
-        description="LLM: generate with the generator executor and score with the sandboxed "
-        "math scorer; print pass@1, mean@k and pass@k, a per-subject and per-level breakdown "
-        "where the data has one, and timing; write every sample to a JSONL file. Embodied run "
-        "directory: play its checkpoint's policy in the run's env, per task, under LIBERO's "
-        "protocol (fixed init states, wait steps, the suite's step cap) or fixed seeds; print "
-        "success per task and write the report as JSON.",
+        help="replay a run's evaluation on its checkpoint, or score an LLM checkpoint on math data",
+        description="A run directory: play the run's own evaluation protocol on its saved "
+        "checkpoint, with the executors its in-run evaluations use, and report what its final "
+        "evaluation reported, per task (LLM: greedy held-out accuracy; embodied: success per "
+        "task under fixed seeds, or LIBERO's protocol of fixed init states, wait steps and the "
+        "suite's step cap); write the report as JSON. With --data, an LLM checkpoint: generate "
+        "with the generator executor and score with the sandboxed math scorer; print pass@1, "
+        "mean@k and pass@k, a per-subject and per-level breakdown where the data has one, and "
+        "timing; write every sample to a JSONL file.",
     )
     evaluate.add_argument(
         "path",
@@ -116,8 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     evaluate.add_argument(
         "--data",
         default=None,
-        help="LLM (required): math500, gsm8k, or a .jsonl/.parquet file with 'prompt' and "
-        "'answer' fields",
+        help="LLM: math500, gsm8k, or a .jsonl/.parquet file with 'prompt' and 'answer' fields "
+        "(required unless PATH is a run directory, whose own evaluation is then replayed)",
     )
     evaluate.add_argument("--k", type=int, default=1, help="samples per problem (1: greedy)")
     evaluate.add_argument("--max-new-tokens", type=int, default=256, help="completion length cap")
@@ -132,8 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     evaluate.add_argument(
         "--out",
         default=None,
-        help="LLM: samples JSONL (default next to the model); embodied: the report JSON "
-        "(default RUN_DIR/eval-PROTOCOL.json)",
+        help="with --data: samples JSONL (default next to the model); a run: the report JSON "
+        "(default RUN_DIR/eval-PROTOCOL.json, eval-heldout.json for an LLM run)",
     )
     evaluate.add_argument(
         "--protocol",
@@ -146,13 +148,14 @@ def main(argv: list[str] | None = None) -> int:
         "--episodes",
         type=int,
         default=None,
-        help="embodied: episodes per task (default 50 under libero, else env.eval_episodes)",
+        help="embodied: episodes per task (default: the run's env.eval_episodes split over the "
+        "tasks; LIBERO's benchmark plays 50)",
     )
     evaluate.add_argument(
         "--tasks",
         nargs="+",
         default=None,
-        help="embodied: tasks (default env.eval_tasks, else env.tasks)",
+        help="embodied: tasks (default env.eval_tasks, else the env's tasks)",
     )
     actions = evaluate.add_mutually_exclusive_group()
     actions.add_argument(
@@ -165,7 +168,12 @@ def main(argv: list[str] | None = None) -> int:
     actions.add_argument(
         "--sample", dest="greedy", action="store_const", const=False, help="embodied: sampled"
     )
-    evaluate.add_argument("--seed", type=int, default=0, help="embodied: seed of the episodes")
+    evaluate.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="embodied: seed of the episodes (default: the run's run.seed, as its own evaluations)",
+    )
     _add_wm_commands(commands)
     # parse_args would reject overrides placed after an option (`--ray-address auto steps=5`):
     # argparse fills the nargs="*" positional once, so later ones come back as leftovers.
@@ -330,15 +338,18 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 def _eval(args: argparse.Namespace) -> int:
+    from relayrl.evaluate import llm_run
     from relayrl.evaluate_embodied import embodied_run
 
     found = embodied_run(Path(args.path))
     if found is not None:
         return _eval_embodied(args, *found)
+    if args.data is None and (run := llm_run(Path(args.path))) is not None:
+        return _eval_llm_run(args, *run)
     if args.data is None:
         print(
-            f"relayrl: --data is required: '{args.path}' is no embodied run, so it is scored on "
-            "math data (math500, gsm8k or a .jsonl/.parquet file)",
+            f"relayrl: --data is required: '{args.path}' is no run directory, so it is scored "
+            "on math data (math500, gsm8k or a .jsonl/.parquet file)",
             file=sys.stderr,
         )
         return 2
@@ -363,6 +374,17 @@ def _eval(args: argparse.Namespace) -> int:
         print(f"relayrl: {err}", file=sys.stderr)
         return 2
     print(format_report(report))
+    return 0
+
+
+def _eval_llm_run(args: argparse.Namespace, cfg: Any, checkpoint: Path) -> int:
+    from relayrl.evaluate import evaluate_run, format_run_report
+    from relayrl.evaluate_embodied import write_report
+
+    report = evaluate_run(cfg, checkpoint)
+    out = Path(args.out) if args.out else checkpoint.parent / "eval-heldout.json"
+    print(format_run_report(report))
+    print(f"wrote {write_report(report, out)}")
     return 0
 
 

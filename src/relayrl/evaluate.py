@@ -1,9 +1,15 @@
-"""`relayrl eval`: score a checkpoint on MATH-500, GSM8K or a user dataset.
+"""`relayrl eval`: score an LLM checkpoint on MATH-500, GSM8K or a user dataset, or replay a
+run's own evaluation on its saved checkpoint.
 
-Completions come from the generator executor, scores from the rewarder executor with the math
-scorer (sandboxed), both run in this process. Reports pass@1 (first sample), mean@k (mean accuracy
-over the k samples of each problem), pass@k (any of the k correct), a breakdown by subject and
-level where the data has them, and timing; writes one JSONL line per sample.
+With ``--data``: completions come from the generator executor, scores from the rewarder executor
+with the math scorer (sandboxed), both run in this process. Reports pass@1 (first sample), mean@k
+(mean accuracy over the k samples of each problem), pass@k (any of the k correct), a breakdown by
+subject and level where the data has them, and timing; writes one JSONL line per sample.
+
+Without, on an LLM run directory (``evaluate_run``): the run's evaluation protocol
+(``relayrl.executors.evaluator``: greedy completions of its task's held-out split, scored by its
+rewarder), played by the same executors with the run's config on ``RUN_DIR/checkpoint``: the
+numbers of the run's final evaluation.
 """
 
 from __future__ import annotations
@@ -15,8 +21,9 @@ from pathlib import Path
 
 import numpy as np
 
-from relayrl.config import load_config
+from relayrl.config import Config, load_config
 from relayrl.data.datasets import DATASETS, Example, load_examples
+from relayrl.executors.evaluator import heldout_result
 from relayrl.executors.generator import Generator
 from relayrl.executors.rewarder import Rewarder
 from relayrl.rewards.math import extract_answer
@@ -28,6 +35,42 @@ def checkpoint_dir(path: Path) -> Path:
         if (candidate / "config.json").is_file():
             return candidate
     raise FileNotFoundError(f"'{path}' is neither a checkpoint directory nor a run directory")
+
+
+def llm_run(path: Path) -> tuple[Config, Path] | None:
+    """The config and checkpoint folder of an LLM run directory (or of the checkpoint folder
+    inside one); None when ``path`` is not one."""
+    for run_dir, ckpt in ((path, path / "checkpoint"), (path.parent, path)):
+        if (run_dir / "config.yaml").is_file() and (ckpt / "config.json").is_file():
+            cfg = load_config(run_dir / "config.yaml", [])
+            if cfg.workload == "llm":
+                return cfg, ckpt
+    return None
+
+
+def evaluate_run(cfg: Config, checkpoint: Path) -> dict:
+    """The run's evaluation protocol on the policy in ``checkpoint``: held-out accuracy,
+    overall and per task, as the run's in-run evaluations report it."""
+    cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": str(checkpoint)})})
+    start = time.time()
+    generator, rewarder = Generator(cfg), Rewarder(cfg)
+    try:
+        summary, _ = rewarder.score(generator.evaluate("heldout"))
+    finally:
+        rewarder.close()
+    found = heldout_result(cfg.task.name, summary, None, time.time() - start)
+    return found | {"checkpoint": str(checkpoint), "task": cfg.task.name}
+
+
+def format_run_report(report: dict) -> str:
+    """``evaluate_run``'s report as a few lines."""
+    return "\n".join(
+        [
+            f"held-out {report['task']}: {report['n']} problems, greedy, checkpoint "
+            f"{report['checkpoint']}",
+            f"accuracy {report['accuracy']:.3f} ({report['time_s']:.1f} s)",
+        ]
+    )
 
 
 def load_data(data: str, limit: int | None) -> list[Example]:
