@@ -276,26 +276,26 @@ def measure(service, callers: list, warmup: float, duration: float) -> dict:
     stats_window = time.time() - reset_at
     forward_spans = [s for s in ray.get(service.trace.remote())[0] if s.name == "forward"]
     cpu_after = machine_cpu()
-    forwards = stats["forwards"]
+    forwards = stats.forwards
     return {
         "callers": len(callers),
         "requests": int(latencies.size),
         "requests_per_s": latencies.size / duration,
         "latency_ms": _summary(latencies),
         "service": {
-            "latency_ms_mean": stats["latency_ms_mean"],
-            "latency_ms_p50": stats["latency_ms_p50"],
-            "latency_ms_p95": stats["latency_ms_p95"],
-            "queue_ms_mean": stats["queue_ms_mean"],
+            "latency_ms_mean": stats.latency_ms_mean,
+            "latency_ms_p50": stats.latency_ms_p50,
+            "latency_ms_p95": stats.latency_ms_p95,
+            "queue_ms_mean": stats.queue_ms_mean,
             "forwards": forwards,
-            "forward_ms_mean": 1e3 * stats["busy_s"] / forwards if forwards else 0.0,
+            "forward_ms_mean": 1e3 * stats.busy_s / forwards if forwards else 0.0,
             "busy": busy_seconds(forward_spans, start_at, end_at) / duration,
             "cpu": service_cpu / stats_window,
         },
-        "batch_sizes": {str(size): count for size, count in stats["batch_sizes"].items()},
-        "mean_batch": stats["mean_batch"],
-        "batch_p50": batch_percentile(stats["batch_sizes"], 50),
-        "batch_max": max(stats["batch_sizes"], default=0),
+        "batch_sizes": {str(size): count for size, count in stats.batch_sizes.items()},
+        "mean_batch": stats.mean_batch,
+        "batch_p50": batch_percentile(stats.batch_sizes, 50),
+        "batch_max": max(stats.batch_sizes, default=0),
         "machine_cpu": cpu_fraction(cpu_before, cpu_after),
     }
 

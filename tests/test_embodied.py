@@ -280,17 +280,6 @@ def test_a_pretrained_world_model_of_other_sizes_is_refused_naming_them(tmp_path
         check_saved_world_model(str(tmp_path / "nothing"), obs, reward)
 
 
-def test_a_run_that_drops_most_imagined_steps_untrained_says_which_knobs_balance_them():
-    from relayrl.workloads.embodied import imagined_waste
-
-    warning = imagined_waste(100, {"dropped_overflow": 20, "dropped_stale": 10})
-    assert warning is not None and warning.startswith("30% of the 100 imagined env steps")
-    assert "20 overflowed imagination.buffer_steps, 10 aged past max_staleness" in warning
-    assert "imagination.episodes_per_real" in warning
-    assert imagined_waste(100, {"dropped_overflow": 20, "dropped_stale": 5}) is None  # 25%: fine
-    assert imagined_waste(0, {"dropped_overflow": 0, "dropped_stale": 0}) is None
-
-
 def test_workers_that_wait_for_room_stay_within_it_and_stop_for_a_checkpoint(ray_session, tmp_path):
     # Two envs per worker outrun this tiny trainer (the test above), filling the buffer to 43
     # steps and more; with replay.wait_at a worker waits after a put that leaves 8 steps unless

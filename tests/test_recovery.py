@@ -101,6 +101,9 @@ def test_a_dead_world_model_trainer_fails_the_run_which_resumes(ray_session, tmp
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["failed_executor"] == "world_model_trainer"
     assert summary["resume"] == f"relayrl train --resume {run_dir}"
+    imagined = summary["imagined_samples"]  # asked of the buffers and ranks, which live on
+    assert imagined["unit"] == "imagined_env_steps" and "counted_by" not in summary["samples"]
+    assert imagined["generated"] >= imagined["trained"] > 0
     monkeypatch.undo()
     resumed = job.train(cfg, run_dir, resume=True)
     assert resumed["status"] == "finished" and resumed["steps"] == 5
@@ -194,7 +197,7 @@ class Reloaded(KeptEmbodied):
 
     async def snapshot(self):
         parts = await super().snapshot()
-        REPORTS.append([(await told, (await stats)["env_steps"]) for told, stats in _reports(self)])
+        REPORTS.append([(await told, (await stats).env_steps) for told, stats in _reports(self)])
         return parts
 
     def restore(self, parts):

@@ -380,7 +380,7 @@ async def run_streaming(
     runs = WorkerRuns(w, w.recovery, BufferSink(w.replay_buffer))
     runs.start()
     trainer_idle = tally.idle[w.trainer.names[0]]
-    version, occupancy = (await w.trainer[0].stats.remote())["version"], []
+    version, occupancy = (await w.trainer[0].stats.remote()).version, []
     batch_refs = w.fetch(version)  # the real part, and with imagination the imagined one
     while tally.steps < cfg.steps:
         start = time.time()
@@ -409,11 +409,11 @@ async def run_streaming(
         result.metrics |= await w.after_step(tally.steps + 1)
         result.metrics |= await w.episode_feedback(tally.steps + 1)
         buffer = await w.replay_buffer.stats.remote()
-        occupancy.append(buffer["occupancy"])
+        occupancy.append(buffer.occupancy)
         result.metrics["replay/occupancy"] = occupancy[-1]
         # Real env steps of the segments the workers have finished: the x axis of learning per
         # env interaction (the trained total leaves out what a run with imagination never trains).
-        result.metrics["samples/real_put_total"] = float(buffer["put_steps"])
+        result.metrics["samples/real_put_total"] = float(buffer.put_steps)
         await _log_step(cfg, tally, log, result, w.evaluate)
         if ckpt.due():
             # With the workers stopped the buffer holds still, and the fetch ahead has taken its

@@ -113,11 +113,11 @@ def train(
             "error": repr(err),
             "steps": tally.steps,
             "staleness": tally.staleness(),
-            "samples": tally.books(),
+            "samples": tally.books().section(),
             "failures": tally.failure_summary(),
         }
         try:  # where generation is counted (embodied: the workers); the executors may be gone
-            partial["samples"] = workload.partial_books(tally)
+            partial |= {name: b.section() for name, b in workload.partial_books(tally).items()}
         except Exception as books_err:
             partial["samples"]["counted_by"] = f"controller ({first_line(books_err)})"
         if isinstance(err, ExecutorFailed):

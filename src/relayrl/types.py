@@ -230,3 +230,167 @@ class StepResult:
             imagined_dropped_stale=sum(r.imagined_dropped_stale for r in results),
             metrics=first.metrics,
         )
+
+
+# What executors' ``stats()`` return. The typed fields are what the controller and the workloads
+# read (the books, versions, occupancy); each is the executor's count since it started unless
+# its comment says otherwise.
+
+
+@dataclass(frozen=True)
+class TrainerStats:
+    """A trainer rank's counters: its version and the samples it trained and dropped stale."""
+
+    version: int  # the rank's policy version
+    busy_s: float
+    skipped_nonfinite: int  # optimizer steps skipped for a nan or inf loss or norm
+    trained: int = 0  # samples (completions, or real env steps) trained on, or zero-signal
+    dropped_stale: int = 0  # samples dropped for lagging more than max_staleness
+    imagined_trained: int = 0  # embodied with imagination: imagined env steps, kept apart
+    imagined_dropped_stale: int = 0
+
+    @staticmethod
+    def received(ranks: Sequence[TrainerStats], imagined: bool = False) -> int:
+        """Samples of one source (real, or ``imagined``) the ``ranks`` have received together:
+        each was trained or dropped stale."""
+        if imagined:
+            return sum(r.imagined_trained + r.imagined_dropped_stale for r in ranks)
+        return sum(r.trained + r.dropped_stale for r in ranks)
+
+
+@dataclass(frozen=True)
+class WorldModelStats:
+    """The world-model trainer's counters: its version, gradient steps and ``B_wm``'s books."""
+
+    version: int
+    busy_s: float
+    skipped_nonfinite: int
+    updates: dict[str, int]  # gradient steps by model ("obs", "reward")
+    buffer_steps: int  # real env steps held in B_wm
+    buffer_episodes: int
+    added_steps: int
+    evicted_steps: int
+
+
+@dataclass(frozen=True)
+class BufferStats:
+    """A replay buffer's books in env steps and segments: put, taken, dropped and resident."""
+
+    put_steps: int
+    put_segments: int
+    taken_steps: int  # handed out to a trainer's fetch
+    taken_segments: int
+    dropped_stale_steps: int  # aged past max_staleness while resident
+    dropped_stale_segments: int
+    dropped_overflow_steps: int  # evicted from a full buffer
+    dropped_overflow_segments: int
+    resident_steps: int
+    resident_segments: int
+    resident_max_steps: int
+    occupancy: float  # resident steps / capacity
+    reader_wait_s: float
+    writer_wait_s: float  # summed over the writers waiting for room
+    # worker id -> (env steps, steps dropped by env errors) as of the worker's last put
+    workers: dict[int, tuple[int, int]] = field(default_factory=dict)
+
+    def unreceived(self, ranks: Sequence[TrainerStats], imagined: bool = False) -> int:
+        """Env steps this buffer handed out that no trainer rank has received yet (a fetch
+        ahead); ``imagined`` for the imagined buffer, whose steps the ranks count apart."""
+        return self.taken_steps - TrainerStats.received(ranks, imagined)
+
+
+@dataclass(frozen=True)
+class TaskCounts:
+    """Finished training episodes of one task, and how many of them succeeded."""
+
+    episodes: int = 0
+    successes: int = 0
+
+    def __add__(self, other: TaskCounts) -> TaskCounts:
+        return TaskCounts(self.episodes + other.episodes, self.successes + other.successes)
+
+    @property
+    def success_rate(self) -> float:
+        """Successes per episode (0.0 before the first)."""
+        return self.successes / max(self.episodes, 1)
+
+
+@dataclass(frozen=True)
+class ImaginedCounts:
+    """What a rollout worker imagined: env steps, segments, episodes and their successes."""
+
+    steps: int = 0
+    segments: int = 0
+    episodes: int = 0
+    successes: int = 0
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    """A rollout worker's counters: the env steps it took and where they went, its episodes per
+    task, env errors, and its busy and waiting seconds."""
+
+    env_steps: int
+    segments: int  # segments closed
+    segment_steps: int  # env steps in those segments
+    episodes: int
+    env_errors: int
+    dropped_error_steps: int  # steps of the unfinished segments an env error ended
+    open_steps: int  # steps of the segments still open
+    tasks: dict[str, TaskCounts]
+    last_errors: list[str]
+    busy_s: float  # in env reset and step
+    wait_s: float  # on the inference service
+    sink_wait_s: float  # on the sink (for room in the replay buffer)
+    imagined: ImaginedCounts = ImaginedCounts()
+
+    @staticmethod
+    def tasks_of(workers: Sequence[WorkerStats]) -> dict[str, TaskCounts]:
+        """Each task's episodes and successes over ``workers``."""
+        out: dict[str, TaskCounts] = {}
+        for w in workers:
+            for task, counts in w.tasks.items():
+                out[task] = out.get(task, TaskCounts()) + counts
+        return out
+
+
+@dataclass(frozen=True)
+class ServiceStats:
+    """An inference service's counters since its last ``reset_stats``: requests, batched
+    forwards, and per-request latency (queue wait plus forward) in milliseconds."""
+
+    version: int  # the policy version it serves now
+    requests: int
+    forwards: int
+    busy_s: float
+    batch_sizes: dict[int, int]  # batch size -> forwards of that size
+    mean_batch: float
+    queue_ms_mean: float
+    latency_ms_mean: float
+    latency_ms_p50: float  # over the recent window
+    latency_ms_p95: float
+    latency_ms_max: float
+    waiting: int  # requests queued now
+
+
+@dataclass(frozen=True)
+class GeneratorStats:
+    """A generator replica's counters."""
+
+    version: int
+    busy_s: float
+    tokens_generated: int
+    pending: int  # unfinished partial rollouts cached for its next call
+
+
+@dataclass(frozen=True)
+class StageStats:
+    """A scoring stage's counters; ``counts`` holds a stage of your own's, for the summary."""
+
+    busy_s: float
+    scored: int = 0  # samples scored
+    errors: int = 0  # samples a scorer raised on (scored 0)
+    timeouts: int = 0  # samples whose scorer timed out (scored 0)
+    updates: int = 0  # a learning stage's (the critic's) optimizer steps
+    skipped_nonfinite: int = 0
+    counts: dict[str, float] = field(default_factory=dict)

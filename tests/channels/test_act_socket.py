@@ -141,7 +141,7 @@ def test_concurrent_workers_get_their_own_replies_with_the_version_that_computed
     loop.run(service.close())
     loop.stop()
     replies = [reply for out in results.values() for reply in out]
-    assert len(replies) == 4 * (48 + 12 * 3) == stats["requests"]  # each answered once
+    assert len(replies) == 4 * (48 + 12 * 3) == stats.requests  # each answered once
     versions = []
     for reply, pixel, step in replies:
         assert reply.actions.tolist() == [pixel, step]
@@ -241,7 +241,7 @@ def test_as_ray_actors_workers_stream_over_the_socket_and_a_dead_service_is_a_de
         assert seg.actions[:, 0].tolist() == pixels(seg)[:-1]
         assert all(p % 10 == 5 * seg.worker for p in pixels(seg))
     assert emitted > 0
-    requests = ray.get(service.stats.remote())["requests"]
+    requests = ray.get(service.stats.remote()).requests
     assert requests >= sum(len(s) for s in segments)
     # The service dies: the next request raises its Ray death, which recovery replaces.
     client = SocketServiceClient(service)

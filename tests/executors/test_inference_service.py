@@ -94,9 +94,9 @@ def test_concurrent_callers_get_their_own_answers_in_batches_of_at_most_max_batc
     for reply, pixel, step in (r for rs in results for r in rs):
         check(reply, pixel, step)
         assert reply.version == 0
-    sizes = stats["batch_sizes"]
-    assert sum(size * count for size, count in sizes.items()) == stats["requests"] == 30
-    assert sum(sizes.values()) == stats["forwards"]
+    sizes = stats.batch_sizes
+    assert sum(size * count for size, count in sizes.items()) == stats.requests == 30
+    assert sum(sizes.values()) == stats.forwards
     assert max(sizes) == 4  # ten callers arrive together: the first batch is full
     assert all(1 <= size <= 4 for size in sizes)
 
@@ -109,8 +109,8 @@ def test_a_lone_request_is_flushed_after_max_wait():
 
     reply, stats = asyncio.run(main())
     check(reply, 7, 2)
-    assert stats["batch_sizes"] == {1: 1}
-    assert stats["queue_ms_mean"] >= 30  # it waited for company until the deadline, then went
+    assert stats.batch_sizes == {1: 1}
+    assert stats.queue_ms_mean >= 30  # it waited for company until the deadline, then went
 
 
 def test_weight_swap_waits_for_the_forward_in_flight_and_holds_new_batches():

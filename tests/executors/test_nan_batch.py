@@ -63,7 +63,7 @@ def test_the_llm_trainer_skips_a_batch_with_a_nan_behaviour_log_prob():
 
     assert not result.stepped and result.skipped_nonfinite == 1 and result.version == 1
     assert_bit_identical(core_state(trainer), before)
-    assert trainer.stats()["skipped_nonfinite"] == 1
+    assert trainer.stats().skipped_nonfinite == 1
     assert trainer.train_step(completions(4, version=1)).stepped and trainer.version == 2
 
 
@@ -90,7 +90,7 @@ def test_the_vla_trainer_skips_a_batch_with_a_nan_reward():
     assert not result.stepped and result.skipped_nonfinite == 1 and result.version == 1
     assert result.trained == 3  # the env steps are booked as trained; the step was not taken
     assert_bit_identical(core_state(trainer), before)
-    assert trainer.stats()["skipped_nonfinite"] == 1
+    assert trainer.stats().skipped_nonfinite == 1
     assert trainer.train_step([segment(3, seed=3, version=1)]).stepped and trainer.version == 2
 
 
@@ -180,8 +180,8 @@ def test_the_world_model_trainer_skips_a_nan_step_of_one_model_and_steps_the_oth
     assert result.skipped_nonfinite == 2 and result.metrics["world_model/skipped_nonfinite"] == 2
     assert "world_model/loss_obs" not in result.metrics
     assert np.isfinite(result.metrics["world_model/loss_reward"])
-    assert trainer.stats()["skipped_nonfinite"] == 2
-    assert trainer.stats()["updates"] == {"obs": 2, "reward": 4}
+    assert trainer.stats().skipped_nonfinite == 2
+    assert trainer.stats().updates == {"obs": 2, "reward": 4}
     obs_keys = [k for k in before["model"] if k.startswith("obs.")]
     assert obs_keys and all(torch.equal(after["model"][k], before["model"][k]) for k in obs_keys)
     assert any(

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from relayrl.executors.replay_buffer import ReplayBuffer, ReplayBufferClosed
-from relayrl.types import Segment
+from relayrl.types import BufferStats, Segment
 
 
 def segment(ident: int, versions: list[int]) -> Segment:
@@ -39,9 +39,9 @@ def ids(batch: list[Segment]) -> list[int]:
     return [s.episode for s in batch]
 
 
-def books(stats: dict, unit: str) -> tuple[int, int]:
-    out = sum(stats[f"{k}_{unit}"] for k in ("taken", "dropped_stale", "dropped_overflow"))
-    return stats[f"put_{unit}"], out + stats[f"resident_{unit}"]
+def books(stats: BufferStats, unit: str) -> tuple[int, int]:
+    out = sum(getattr(stats, f"{k}_{unit}") for k in ("taken", "dropped_stale", "dropped_overflow"))
+    return getattr(stats, f"put_{unit}"), out + getattr(stats, f"resident_{unit}")
 
 
 def test_super_batch_is_the_oldest_whole_segments_reaching_min_steps():
@@ -51,8 +51,8 @@ def test_super_batch_is_the_oldest_whole_segments_reaching_min_steps():
     assert ids(buf.get(min_steps=5, trainer_version=0)) == [0, 1]  # 3 + 3 >= 5
     assert ids(buf.get(min_steps=1, trainer_version=0)) == [2]
     stats = buf.stats()
-    assert stats["taken_steps"] == 7 and stats["taken_segments"] == 3
-    assert stats["resident_steps"] == 2 and stats["occupancy"] == pytest.approx(0.02)
+    assert stats.taken_steps == 7 and stats.taken_segments == 3
+    assert stats.resident_steps == 2 and stats.occupancy == pytest.approx(0.02)
 
 
 def test_overflow_evicts_the_oldest_segments_and_counts_their_steps():
@@ -62,8 +62,8 @@ def test_overflow_evicts_the_oldest_segments_and_counts_their_steps():
     buf.put(segment(2, [0, 0]))  # 8 > 6: segment 0 goes
     buf.put(segment(3, [0] * 7))  # longer than the whole buffer: dropped itself
     stats = buf.stats()
-    assert stats["dropped_overflow_steps"] == 3 + 7 and stats["dropped_overflow_segments"] == 2
-    assert stats["resident_steps"] == 5
+    assert stats.dropped_overflow_steps == 3 + 7 and stats.dropped_overflow_segments == 2
+    assert stats.resident_steps == 5
     assert ids(buf.get(min_steps=5, trainer_version=0)) == [1, 2]
 
 
@@ -76,8 +76,8 @@ def test_stale_segments_are_dropped_by_their_oldest_action_version():
     with pytest.raises(TimeoutError, match="2 of min_steps=4"):
         buf.get(min_steps=4, trainer_version=7, timeout_s=0.01)  # drops segment 2 (4 < 5)
     stats = buf.stats()
-    assert stats["dropped_stale_steps"] == 4 and stats["dropped_stale_segments"] == 2
-    assert stats["resident_steps"] == 2
+    assert stats.dropped_stale_steps == 4 and stats.dropped_stale_segments == 2
+    assert stats.resident_steps == 2
     assert ids(buf.get(min_steps=2, trainer_version=7)) == [3]  # a timeout took nothing
 
 
@@ -129,8 +129,8 @@ def test_every_step_is_accounted_under_random_operations():
         stats = buf.stats()
         assert books(stats, "steps")[0] == books(stats, "steps")[1]
         assert books(stats, "segments")[0] == books(stats, "segments")[1]
-        assert (stats["put_steps"], stats["taken_steps"]) == (ref.put, ref.taken)
-        assert (stats["dropped_stale_steps"], stats["dropped_overflow_steps"]) == (
+        assert (stats.put_steps, stats.taken_steps) == (ref.put, ref.taken)
+        assert (stats.dropped_stale_steps, stats.dropped_overflow_steps) == (
             ref.stale,
             ref.overflow,
         )
@@ -216,12 +216,12 @@ def test_with_wait_at_a_writer_waits_for_room_until_a_get_takes_or_asks_or_close
     closing.join(5)
     assert woke == [True, True, True]
     stats = buffer.stats()
-    assert stats["writer_wait_s"] > 0.05 and stats["resident_max_steps"] == 8
-    assert stats["put_steps"] == stats["taken_steps"] + 6
+    assert stats.writer_wait_s > 0.05 and stats.resident_max_steps == 8
+    assert stats.put_steps == stats.taken_steps + 6
 
 
 def test_without_wait_at_a_writer_never_waits():
     buffer = ReplayBuffer(4, max_staleness=None)
     assert buffer.put_many([segment(i, [0, 0]) for i in range(3)]) is False  # overflow evicts
     assert buffer.wait_for_room(timeout_s=0) is True
-    assert buffer.stats()["dropped_overflow_steps"] == 2
+    assert buffer.stats().dropped_overflow_steps == 2

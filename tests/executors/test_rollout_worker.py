@@ -16,6 +16,7 @@ from relayrl.envs.embodied import ActionSpace, Observation, StepResult
 from relayrl.executors.inference_service import ActReply, InferenceService
 from relayrl.executors.replay_buffer import ReplayBuffer
 from relayrl.executors.rollout_worker import EpisodeResult, RolloutWorker, Stepped
+from relayrl.types import TaskCounts
 
 
 class ScriptedEnv:
@@ -110,8 +111,8 @@ def test_an_episode_of_7_steps_with_l_3_is_cut_into_3_3_1():
     assert worker.episode_results() == []  # drained
     assert worker.observe().step == 0  # the next call starts episode 1
     stats = worker.stats()
-    assert (stats["env_steps"], stats["segments"], stats["segment_steps"]) == (7, 3, 7)
-    assert stats["tasks"] == {"a": {"episodes": 1, "successes": 1}}
+    assert (stats.env_steps, stats.segments, stats.segment_steps) == (7, 3, 7)
+    assert stats.tasks == {"a": TaskCounts(episodes=1, successes=1)}
 
 
 def test_a_truncated_episode_ends_its_last_segment_without_terminated():
@@ -130,17 +131,17 @@ def test_env_crashes_are_contained_counted_and_the_env_rebuilt():
     crashed = worker.step(np.array([0]), np.array([0.0]), 0.0, 0)  # step 5 crashes: no env step
     assert crashed == Stepped([], worker=0, env_steps=4)
     stats = worker.stats()
-    assert (stats["env_steps"], stats["env_errors"], stats["dropped_error_steps"]) == (4, 1, 1)
-    assert stats["last_errors"] == ["step: RuntimeError: sim crashed at call 5"]
+    assert (stats.env_steps, stats.env_errors, stats.dropped_error_steps) == (4, 1, 1)
+    assert stats.last_errors == ["step: RuntimeError: sim crashed at call 5"]
     assert factory.built[0].closed and len(factory.built) == 2
     segs = drive(worker, 7)  # the reset crash costs a rebuild, then a whole episode runs
     assert [len(s) for s in segs] == [3, 3, 1] and segs[0].steps[0] == 0
     stats = worker.stats()
-    assert len(factory.built) == 3 and stats["env_errors"] == 2
-    assert stats["last_errors"][-1] == "reset: RuntimeError: reset crashed"
-    assert stats["env_steps"] == 11
-    assert stats["env_steps"] == stats["segment_steps"] + stats["dropped_error_steps"]
-    assert stats["episodes"] == 1  # a crashed episode has no result
+    assert len(factory.built) == 3 and stats.env_errors == 2
+    assert stats.last_errors[-1] == "reset: RuntimeError: reset crashed"
+    assert stats.env_steps == 11
+    assert stats.env_steps == stats.segment_steps + stats.dropped_error_steps
+    assert stats.episodes == 1  # a crashed episode has no result
 
 
 def test_step_accounting_holds_with_crashes_at_random_steps():
@@ -149,9 +150,9 @@ def test_step_accounting_holds_with_crashes_at_random_steps():
     worker = RolloutWorker(0, Factory(*fails), segment_len=4, seed=0)
     drive(worker, 120)
     stats = worker.stats()
-    assert stats["env_errors"] > 0 and stats["dropped_error_steps"] > 0
-    emitted = stats["segment_steps"] + stats["dropped_error_steps"] + stats["open_steps"]
-    assert stats["env_steps"] == emitted
+    assert stats.env_errors > 0 and stats.dropped_error_steps > 0
+    emitted = stats.segment_steps + stats.dropped_error_steps + stats.open_steps
+    assert stats.env_steps == emitted
 
 
 def test_a_broken_env_makes_the_worker_give_up():
@@ -169,9 +170,9 @@ def test_the_task_sampler_picks_the_task_at_each_reset():
     )
     segs = drive(worker, 8)
     assert [s.task for s in segs] == ["a", "b", "a", "b"]
-    assert worker.stats()["tasks"] == {
-        "a": {"episodes": 2, "successes": 2},
-        "b": {"episodes": 2, "successes": 0},
+    assert worker.stats().tasks == {
+        "a": TaskCounts(episodes=2, successes=2),
+        "b": TaskCounts(episodes=2, successes=0),
     }
 
 
@@ -189,7 +190,7 @@ def test_run_loops_until_max_segments_or_stop():
     # Each request carries the worker's id and the env steps it took before it (a reset is none).
     assert asked == [(4, n) for n in range(13)]
     assert all(s.versions.tolist() == [3] * len(s) for s in segments)
-    assert worker.stats()["open_steps"] == 0
+    assert worker.stats().open_steps == 0
 
     def sink(segment) -> None:
         segments.append(segment)
@@ -237,10 +238,10 @@ def test_a_worker_steps_several_envs_with_one_request_and_keeps_one_set_of_books
     segments = [seg for call in sink.calls for seg in call]
     assert set(service.batches) == {3}  # every request asked for all three envs
     stats = worker.stats()
-    assert stats["env_errors"] == 2 and stats["dropped_error_steps"] > 0
-    emitted = stats["segment_steps"] + stats["dropped_error_steps"] + stats["open_steps"]
-    assert stats["env_steps"] == emitted
-    assert stats["segment_steps"] == sum(len(s) for s in segments)
+    assert stats.env_errors == 2 and stats.dropped_error_steps > 0
+    emitted = stats.segment_steps + stats.dropped_error_steps + stats.open_steps
+    assert stats.env_steps == emitted
+    assert stats.segment_steps == sum(len(s) for s in segments)
     by_episode: dict[int, list] = {}
     for seg in segments:
         by_episode.setdefault(seg.episode, []).append(seg)
@@ -253,7 +254,7 @@ def test_a_worker_steps_several_envs_with_one_request_and_keeps_one_set_of_books
             assert seg.values.tolist() == pixels(seg)[:-1]
     done = [e for e in by_episode.values() if e[-1].episode_done]
     assert done and all(sum(len(seg) for seg in e) == 7 for e in done)
-    assert stats["episodes"] == len(done)
+    assert stats.episodes == len(done)
 
 
 def test_state_dict_keeps_the_books_of_emitted_steps():
@@ -262,7 +263,7 @@ def test_state_dict_keeps_the_books_of_emitted_steps():
     restored = RolloutWorker(0, Factory(), segment_len=3, seed=1)
     restored.load_state_dict(worker.state_dict())
     stats = restored.stats()
-    assert (stats["env_steps"], stats["segment_steps"], stats["open_steps"]) == (3, 3, 0)
+    assert (stats.env_steps, stats.segment_steps, stats.open_steps) == (3, 3, 0)
     assert restored.observe().step == 0
 
 
@@ -306,15 +307,15 @@ def test_workers_run_through_the_inference_service_into_the_replay_buffer():
     asyncio.run_coroutine_threadsafe(service.close(), loop).result(timeout=30)
     loop.call_soon_threadsafe(loop.stop)
     loop_thread.join(10)
-    segments = buffer.get(min_steps=buffer.stats()["resident_steps"], trainer_version=0)
+    segments = buffer.get(min_steps=buffer.stats().resident_steps, trainer_version=0)
     assert len(segments) == 18 and {s.worker for s in segments} == {0, 1, 2}
     for seg in segments:
         assert seg.actions[:, 0].tolist() == [p // 10 % 4 for p in pixels(seg)[:-1]]
         assert seg.values.tolist() == pixels(seg)[:-1]
-    assert stats["requests"] == sum(w.stats()["env_steps"] for w in workers)
+    assert stats.requests == sum(w.stats().env_steps for w in workers)
     # A worker's last request came before its last step, which closed its sixth segment.
-    assert reported == [w.stats()["env_steps"] - 1 for w in workers]
-    assert sum(w.stats()["wait_s"] for w in workers) > 0
+    assert reported == [w.stats().env_steps - 1 for w in workers]
+    assert sum(w.stats().wait_s for w in workers) > 0
 
 
 class RemoteService:
@@ -361,8 +362,8 @@ def test_as_ray_actors_workers_stream_through_the_service_into_the_buffer(ray_se
         assert seg.values.tolist() == pixels(seg)[:-1]
         assert all(p % 10 == 5 * seg.worker for p in pixels(seg))
     assert sum(len(s) for s in segments) >= 40
-    assert ray.get(buffer.stats.remote())["put_segments"] == sum(emitted)
-    batch_sizes = ray.get(service.stats.remote())["batch_sizes"]
+    assert ray.get(buffer.stats.remote()).put_segments == sum(emitted)
+    batch_sizes = ray.get(service.stats.remote()).batch_sizes
     assert max(batch_sizes) == 2  # the two workers' requests shared forward passes
     for handle in (service, buffer, *workers):
         ray.kill(handle)

@@ -276,7 +276,7 @@ def test_a_non_finite_step_leaves_weights_and_optimizer_state_untouched_and_is_c
     assert result.version == trainer.version == 1 and result.trained == 4
     assert not any(k.startswith("loss/") for k in result.metrics)
     assert_bit_identical(core_state(trainer), before)
-    assert trainer.stats()["skipped_nonfinite"] == 1
+    assert trainer.stats().skipped_nonfinite == 1
     assert all(p.grad is None for p in trainer.model.parameters())
 
     trainer.loss_fn = LOSSES["aipo"]
@@ -286,7 +286,7 @@ def test_a_non_finite_step_leaves_weights_and_optimizer_state_untouched_and_is_c
     after = _params(trainer)
     assert all(torch.isfinite(p).all() for p in after)
     assert any(not torch.equal(a, b) for a, b in zip(before["model"].values(), after, strict=False))
-    assert trainer.stats()["skipped_nonfinite"] == 1
+    assert trainer.stats().skipped_nonfinite == 1
 
 
 def test_the_run_tally_logs_the_total_of_skipped_steps():

@@ -188,7 +188,7 @@ def test_a_step_whose_only_minibatch_is_non_finite_takes_no_step_and_is_counted(
     assert result.version == trainer.version == 1 and result.trained == 3
     assert not any(k.startswith("loss/") for k in result.metrics)
     assert_bit_identical(core_state(trainer), before)
-    assert trainer.stats()["skipped_nonfinite"] == 1
+    assert trainer.stats().skipped_nonfinite == 1
 
     result = trainer.train_step([segment(3, seed=7, version=1)])  # the loss is good again
     assert result.stepped and result.skipped_nonfinite == 0 and trainer.version == 2

@@ -158,7 +158,7 @@ def test_each_model_trains_on_its_own_schedule_and_the_version_follows():
     assert [s for s, r in done.items() if r.trained_obs] == [2, 4, 6]
     assert [s for s, r in done.items() if r.trained_reward] == [3, 6]
     assert [r.version for r in done.values()] == [0, 1, 2, 3, 3, 4]
-    assert trainer.stats()["updates"] == {"obs": 6, "reward": 4}
+    assert trainer.stats().updates == {"obs": 6, "reward": 4}
     assert (
         "world_model/loss_obs" in done[6].metrics and "world_model/loss_reward" in done[6].metrics
     )
@@ -232,7 +232,7 @@ def test_published_weights_serve_imagination_requests_in_batches():
         replies, stats = asyncio.run(main())
     finally:
         trainer.close_sync()
-    assert stats["forwards"] == 1 and stats["requests"] == 3  # one batch answered all three
+    assert stats.forwards == 1 and stats.requests == 3  # one batch answered all three
     assert [r.version for r in replies] == [1, 1, 1]
     with torch.no_grad():
         expected = trainer.model.obs.predict(
@@ -273,7 +273,7 @@ def test_two_ranks_take_the_step_one_trainer_takes(ray_session):
             [r.__ray_call__.remote(lambda t: t.model.state_dict()) for r in ranks],
             timeout=TIMEOUT_S,
         )
-    assert one.stats()["updates"] == {"obs": 4, "reward": 2}
+    assert one.stats().updates == {"obs": 4, "reward": 2}
     for key, value in one.model.state_dict().items():
         for rank in weights:
             assert torch.allclose(rank[key], value, atol=ATOL), key

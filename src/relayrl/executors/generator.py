@@ -25,7 +25,7 @@ from relayrl.envs import build_task
 from relayrl.envs.arithmetic import Problem
 from relayrl.models.lm import build_policy, load_codec
 from relayrl.observability.tracing import Span, Tracer
-from relayrl.types import RolloutBatch, RolloutMeta
+from relayrl.types import GeneratorStats, RolloutBatch, RolloutMeta
 from relayrl.weight_sync import TRANSPORTS, Ticket
 from relayrl.weight_sync.buckets import precision_dtype
 from relayrl.weight_sync.int8 import to_int8
@@ -203,14 +203,14 @@ class Generator:
         """Receiver-side seconds of every receive, in order, from ticket to serving it."""
         return {"receive_s": list(self.sync_receive)}
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> GeneratorStats:
         """Counters for the run summary."""
-        return {
-            "busy_s": self.tracer.busy_s(),
-            "version": self.version,
-            "tokens_generated": self.tokens_generated,
-            "pending": len(self.pending),
-        }
+        return GeneratorStats(
+            version=self.version,
+            busy_s=self.tracer.busy_s(),
+            tokens_generated=self.tokens_generated,
+            pending=len(self.pending),
+        )
 
     def trace(self) -> tuple[list[Span], list[Span]]:
         """Busy spans and waits recorded so far."""

@@ -45,7 +45,7 @@ import torch
 from relayrl.channels.act_socket import node_id, serve_connection, socket_path
 from relayrl.envs.embodied import Observation
 from relayrl.observability.tracing import Span, Tracer
-from relayrl.types import ActReply
+from relayrl.types import ActReply, ServiceStats
 from relayrl.weight_sync import TRANSPORTS, Ticket
 
 # Per-request latencies kept for percentiles; totals cover every request.
@@ -268,25 +268,25 @@ class InferenceService:
         each the part its swap waited for the forward pass in flight."""
         return {"receive_s": list(self.sync_receive), "drain_s": list(self.sync_drain)}
 
-    async def stats(self) -> dict:
+    async def stats(self) -> ServiceStats:
         """Counters since the last ``reset_stats``: requests, forwards, busy seconds, the batch-size
         histogram and per-request latency (queue wait plus forward) in milliseconds."""
         window = np.asarray(self._latencies, dtype=np.float64) * 1000.0
         requests = self._requests
-        return {
-            "version": self.version,
-            "requests": requests,
-            "forwards": self._forwards,
-            "busy_s": self._busy_s,
-            "batch_sizes": dict(sorted(self._batch_sizes.items())),
-            "mean_batch": requests / self._forwards if self._forwards else 0.0,
-            "queue_ms_mean": 1000.0 * self._queue_s / requests if requests else 0.0,
-            "latency_ms_mean": 1000.0 * self._latency_s / requests if requests else 0.0,
-            "latency_ms_p50": float(np.percentile(window, 50)) if window.size else 0.0,
-            "latency_ms_p95": float(np.percentile(window, 95)) if window.size else 0.0,
-            "latency_ms_max": float(window.max()) if window.size else 0.0,
-            "waiting": len(self._pending),
-        }
+        return ServiceStats(
+            version=self.version,
+            requests=requests,
+            forwards=self._forwards,
+            busy_s=self._busy_s,
+            batch_sizes=dict(sorted(self._batch_sizes.items())),
+            mean_batch=requests / self._forwards if self._forwards else 0.0,
+            queue_ms_mean=1000.0 * self._queue_s / requests if requests else 0.0,
+            latency_ms_mean=1000.0 * self._latency_s / requests if requests else 0.0,
+            latency_ms_p50=float(np.percentile(window, 50)) if window.size else 0.0,
+            latency_ms_p95=float(np.percentile(window, 95)) if window.size else 0.0,
+            latency_ms_max=float(window.max()) if window.size else 0.0,
+            waiting=len(self._pending),
+        )
 
     async def reset_stats(self) -> None:
         """Start new counters (e.g. after warm-up)."""

@@ -21,7 +21,7 @@ import time
 from collections import deque
 from typing import TypeVar
 
-from relayrl.types import Segment
+from relayrl.types import BufferStats, Segment
 
 T = TypeVar("T")
 
@@ -159,22 +159,22 @@ class ReplayBuffer:
             self._closed = True
             self._cond.notify_all()
 
-    def stats(self) -> dict:
+    def stats(self) -> BufferStats:
         """Env steps and segments put, taken, dropped (stale, overflow) and resident (now and at
         most); occupancy (resident steps / capacity); seconds readers spent waiting and writers
         spent waiting for room (summed over writers); and each worker's books (env steps, steps
         dropped by env errors) as of its last put."""
         with self._cond:
-            return {
+            return BufferStats(
                 **self._counts,
-                "resident_steps": self._resident_steps,
-                "resident_segments": len(self._segments),
-                "resident_max_steps": self._resident_max,
-                "occupancy": self._resident_steps / self.capacity_steps,
-                "reader_wait_s": self._wait_s,
-                "writer_wait_s": self._writer_wait_s,
-                "workers": dict(self._workers),
-            }
+                resident_steps=self._resident_steps,
+                resident_segments=len(self._segments),
+                resident_max_steps=self._resident_max,
+                occupancy=self._resident_steps / self.capacity_steps,
+                reader_wait_s=self._wait_s,
+                writer_wait_s=self._writer_wait_s,
+                workers=dict(self._workers),
+            )
 
     def state_dict(self) -> dict:
         """Resident segments and counters, to resume a run with the same books."""

@@ -52,7 +52,14 @@ import numpy as np
 
 from relayrl.data.trajectories import Episode
 from relayrl.envs.embodied import EmbodiedEnv, Observation, StepResult
-from relayrl.types import ActReply, Segment, segment_arrays
+from relayrl.types import (
+    ActReply,
+    ImaginedCounts,
+    Segment,
+    TaskCounts,
+    WorkerStats,
+    segment_arrays,
+)
 
 if TYPE_CHECKING:  # imagination needs torch; a worker without it never imports it
     from relayrl.executors.imagination import Imagination
@@ -281,23 +288,23 @@ class RolloutWorker:
             self._results.clear()
         return results
 
-    def stats(self) -> dict:
+    def stats(self) -> WorkerStats:
         """Counters since the start: env steps, segments and their steps, episodes, per-task
         episodes and successes, env errors and the steps they cost, recent error messages, steps
         of the open segment, busy seconds (in env reset/step), wait seconds on the service and on
-        the sink (for room in the replay buffer)."""
+        the sink (for room in the replay buffer), and what it imagined."""
         with self._lock:
             imagined = self.imagination.counts if self.imagination is not None else {}
-            return {
+            return WorkerStats(
                 **self._counts,
-                "imagined": dict(imagined),
-                "open_steps": self._open_steps(),
-                "tasks": {task: dict(counts) for task, counts in self._tasks.items()},
-                "last_errors": list(self._errors),
-                "busy_s": self._busy_s,
-                "wait_s": self._wait_s,
-                "sink_wait_s": self._sink_wait_s,
-            }
+                imagined=ImaginedCounts(**imagined),
+                open_steps=self._open_steps(),
+                tasks={task: TaskCounts(**counts) for task, counts in self._tasks.items()},
+                last_errors=list(self._errors),
+                busy_s=self._busy_s,
+                wait_s=self._wait_s,
+                sink_wait_s=self._sink_wait_s,
+            )
 
     def state_dict(self) -> dict:
         """Counters, the episode count and the reset-seed stream. The envs and the open segments

@@ -44,6 +44,7 @@ import functools
 import math
 from collections import deque
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -58,6 +59,7 @@ from relayrl.algorithms.losses import (
 )
 from relayrl.config import Config
 from relayrl.observability.tracing import Span, Tracer
+from relayrl.types import TrainerStats
 from relayrl.weight_sync import TRANSPORTS, Ticket
 from relayrl.weight_sync.base import TrainerSide
 
@@ -272,13 +274,13 @@ class TrainerCore:
         """Close the weight-sync publisher before the actor is killed."""
         self.sync.close()
 
-    def stats(self) -> dict:
+    def stats(self) -> TrainerStats:
         """Counters for the run summary: busy time, version, skipped non-finite steps."""
-        return {
-            "busy_s": self.tracer.busy_s(),
-            "version": self.version,
-            "skipped_nonfinite": self.skipped_nonfinite,
-        }
+        return TrainerStats(
+            version=self.version,
+            busy_s=self.tracer.busy_s(),
+            skipped_nonfinite=self.skipped_nonfinite,
+        )
 
     def trace(self) -> tuple[list[Span], list[Span]]:
         """Busy spans and waits recorded so far."""
@@ -416,10 +418,10 @@ class PolicyCore(TrainerCore):
         faults.reach("publish")
         return super().publish()
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> TrainerStats:
         """The core's counters plus the samples (completions or env steps) trained and dropped
         stale."""
-        return super().stats() | {"trained": self.trained, "dropped_stale": self.dropped_stale}
+        return replace(super().stats(), trained=self.trained, dropped_stale=self.dropped_stale)
 
     def state_dict(self) -> dict:
         """The core's snapshot plus the sample books."""

@@ -48,7 +48,7 @@ step with zero weight.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +62,7 @@ from relayrl.algorithms.normalization import Welford, global_normalize
 from relayrl.config import Config
 from relayrl.executors.trainer_core import PolicyCore
 from relayrl.models.vla import VLAConfig, VLAPolicy, load_vla_weights, save_vla_checkpoint
-from relayrl.types import Segment, StepResult
+from relayrl.types import Segment, StepResult, TrainerStats
 
 
 @dataclass
@@ -523,9 +523,10 @@ class VLATrainer(PolicyCore):
             self.adv_stats.load_state_dict(state["adv_stats"])
         self.imagined_trained, self.imagined_dropped_stale = state.get("imagined", (0, 0))
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> TrainerStats:
         """The core's counters plus the imagined env steps trained and dropped stale."""
-        return super().stats() | {
-            "imagined_trained": self.imagined_trained,
-            "imagined_dropped_stale": self.imagined_dropped_stale,
-        }
+        return replace(
+            super().stats(),
+            imagined_trained=self.imagined_trained,
+            imagined_dropped_stale=self.imagined_dropped_stale,
+        )

@@ -67,6 +67,7 @@ from relayrl.models.world_model.batches import (
 )
 from relayrl.models.world_model.reward_model import SuccessLabels
 from relayrl.models.world_model.serving import WorldModel
+from relayrl.types import WorldModelStats
 
 
 @dataclass
@@ -277,13 +278,17 @@ class WorldModelTrainer(TrainerCore):
             self.updates = dict(state["updates"])
             self.buffer.load_state_dict(state["buffer"])
 
-    def stats(self) -> dict:
+    def stats(self) -> WorldModelStats:
         """The core's counters plus the gradient steps per model and ``B_wm``'s books."""
         with self._lock:
-            return super().stats() | {
-                "updates": dict(self.updates),
-                "buffer_steps": self.buffer.steps,
-                "buffer_episodes": len(self.buffer.episodes),
-                "added_steps": self.buffer.added_steps,
-                "evicted_steps": self.buffer.evicted_steps,
-            }
+            core = super().stats()
+            return WorldModelStats(
+                version=core.version,
+                busy_s=core.busy_s,
+                skipped_nonfinite=core.skipped_nonfinite,
+                updates=dict(self.updates),
+                buffer_steps=self.buffer.steps,
+                buffer_episodes=len(self.buffer.episodes),
+                added_steps=self.buffer.added_steps,
+                evicted_steps=self.buffer.evicted_steps,
+            )

@@ -11,10 +11,13 @@ import json
 import sys
 import time
 from collections import Counter
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from tqdm import tqdm
 
+from relayrl.observability.books import Books
 from relayrl.observability.tracing import Tracer
 from relayrl.types import StepResult
 
@@ -200,15 +203,18 @@ class RunTally:
         self.failures.append(record)
         self.lost += record["lost"]
 
-    def books(self) -> dict[str, int]:
-        """The sample counts the controller keeps (an LLM run's books, less what is in flight)."""
-        return {
-            "generated": self.generated,
-            "trained": self.trained,
-            "dropped_stale": self.dropped_stale,
-            "dropped_resume": self.dropped_resume,
-            "lost": self.lost,
-        }
+    def books(self, in_flight: Mapping[str, int] | None = None, **beside: Any) -> Books:
+        """The books of the samples the controller counts (an LLM run's), with the samples
+        ``in_flight`` by place (None: unknown) and the counts ``beside`` them."""
+        return Books(
+            unit="samples",
+            generated=self.generated,
+            trained=self.trained,
+            dropped={"stale": self.dropped_stale, "resume": self.dropped_resume},
+            lost=self.lost,
+            in_flight=in_flight,
+            beside=beside,
+        )
 
     def failure_summary(self) -> dict:
         """summary.json's ``failures``: each role's deaths, oldest first."""

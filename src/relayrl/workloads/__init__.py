@@ -57,7 +57,8 @@ class Workload(Protocol):
         """After RL: this workload's sections of summary.json."""
 
     def partial_books(self, tally: RunTally) -> dict:
-        """The ``samples`` books of a run that stopped early (failed or interrupted)."""
+        """The books of a run that stopped early (failed or interrupted): a
+        ``relayrl.observability.books.Books`` by summary section (``samples``, ...)."""
 
 
 WORKLOADS: dict[str, type] = {"llm": LLMWorkload, "embodied": EmbodiedWorkload}

@@ -14,10 +14,8 @@ and its new version is published to the world-model replicas once the round ends
 steps keep books of their own, as real ones do: generated (put into ``B_img``) = trained +
 dropped (stale, overflow) + in flight (resident, prefetched).
 
-Samples are env steps: every step a worker took is trained, dropped (stale, evicted from a full
-buffer, or lost with a crashed env's unfinished segment) or still in flight (resident in the
-buffer, fetched for a step that never ran, or in a worker's open segment). A worker that dies
-counts as of the last segment it closed; the steps it took after that are ``lost_unfinished``.
+Samples are env steps; ``relayrl.workloads.embodied_summary`` keeps their books and writes the
+summary's sections.
 """
 
 from __future__ import annotations
@@ -72,9 +70,11 @@ from relayrl.models.world_model import (
     world_model_configs,
 )
 from relayrl.models.world_model.serving import WorldModel, world_model_replies
+from relayrl.observability.books import Books
 from relayrl.observability.metrics import MetricsLog, RunTally, say
 from relayrl.recovery import DEATHS, ExecutorFailed, Recovery, alive, first_line
 from relayrl.types import Segment
+from relayrl.workloads.embodied_summary import EmbodiedStats, books, summary_sections
 
 SERVICE_SEED = 2 * 10**6  # inference replica i samples actions from seed run.seed + this + i
 WM_SEED = 3 * 10**6  # world-model replica i, and worker i's imagination, from run.seed + this + i
@@ -341,7 +341,7 @@ class EmbodiedWorkload:
         died since. A step in flight at the death is not known.
         """
         worker_id = self.worker_ids[index]
-        found = (await self.replay_buffer.stats.remote())["workers"].get(worker_id, (0, 0))
+        found = (await self.replay_buffer.stats.remote()).workers.get(worker_id, (0, 0))
         books = max(tuple(found), self.seen.get(worker_id, (0, 0)))
         self.retired[worker_id] = books
         if self.cfg.mode == "sync":
@@ -457,7 +457,7 @@ class EmbodiedWorkload:
         publisher = Group(self.wm_trainer.role, self.wm_trainer.actors[:1])
         self.wm_sync = connect_weight_sync(self.cfg, publisher, self.wm_services.named())
         ray.get(list(self.wm_sync.publish().values()))
-        self.wm_version = ray.get(self.wm_trainer[0].stats.remote())["version"]
+        self.wm_version = ray.get(self.wm_trainer[0].stats.remote()).version
 
     def _report_loaded(self, parts: dict[str, Any]) -> list:
         """Tell each rollout worker's inference replica the env steps the worker was loaded with
@@ -475,11 +475,11 @@ class EmbodiedWorkload:
         yet (a fetch ahead; imagined None without imagination); only exact while no worker
         puts."""
         ranks = await asyncio.gather(*(r.stats.remote() for r in self.trainer))
-        buffer = await self.replay_buffer.stats.remote()
-        real = unreceived(buffer, ranks)
+        real = (await self.replay_buffer.stats.remote()).unreceived(ranks)
         if not self.imagining:
             return real, None
-        return real, unreceived(await self.imagined_buffer.stats.remote(), ranks, "imagined_")
+        imagined = await self.imagined_buffer.stats.remote()
+        return real, imagined.unreceived(ranks, imagined=True)
 
     def _executors(self) -> list[Group]:
         return [g for g in self.groups() if g.role != "trainer"]
@@ -610,7 +610,7 @@ class EmbodiedWorkload:
         """Success rate of the served policy on ``env.eval_episodes`` fresh episodes, played in
         lockstep by the evaluators."""
         start = time.time()
-        version = (await self.services[0].stats.remote())["version"]
+        version = (await self.services[0].stats.remote()).version
         n, k = self.cfg.env.eval_episodes, len(self.evaluators)
         quotas = [n // k + (i < n % k) for i in range(k)]
         while True:
@@ -670,175 +670,39 @@ class EmbodiedWorkload:
         return out
 
     def finish(self, tally: RunTally, loop: dict, rl_wall: float) -> dict:
-        """Evaluate again; the eval, rollout, perf, staleness, replay, dwr, curriculum and samples
-        sections."""
+        """Evaluate again; the eval, dwr and curriculum sections, and the rollout, perf,
+        staleness, replay and books sections (``embodied_summary.summary_sections``)."""
         end = asyncio.run(self.evaluate())
-        workers = ray.get([w.stats.remote() for w in self.workers])
-        trainers = ray.get([r.stats.remote() for r in self.trainer])
-        services = ray.get([s.stats.remote() for s in self.services])
-        buffer = ray.get(self.replay_buffer.stats.remote())
-        samples = self._sample_books(tally, workers, trainers, buffer, loop["prefetched"])
-        trained, generated = samples["trained"], samples["generated"]
-        tasks: dict[str, dict[str, float]] = {}
-        for w in workers:
-            for task, counts in w["tasks"].items():
-                mine = tasks.setdefault(task, {"episodes": 0, "successes": 0})
-                mine["episodes"] += counts["episodes"]
-                mine["successes"] += counts["successes"]
-        episodes = sum(t["episodes"] for t in tasks.values())
-        occupancy = loop["occupancy"]
-        requests = sum(s["requests"] for s in services)
-        forwards = sum(s["forwards"] for s in services)
-        imagined = self._imagined_sections(tally, workers, trainers, loop) if self.imagining else {}
-        return imagined | {
+        return summary_sections(self.cfg, tally, self._stats(), self.retired, loop, rl_wall) | {
             "eval": {"end": end},
-            "rollout": {
-                "env_steps_per_s": trained / rl_wall,
-                "generated_env_steps_per_s": generated / rl_wall,
-                "episodes": episodes,
-                "success_rate": {
-                    "overall": sum(t["successes"] for t in tasks.values()) / max(episodes, 1),
-                    "per_task": {
-                        k: t["successes"] / max(t["episodes"], 1) for k, t in tasks.items()
-                    },
-                },
-                "env_errors": sum(w["env_errors"] for w in workers),
-                "last_errors": [e for w in workers for e in w["last_errors"]][-5:],
-                "workers": len(workers),
-            },
-            "perf": {
-                "busy": {
-                    "rollout_workers": sum(w["busy_s"] for w in workers) / len(workers) / rl_wall
-                },
-                "inference": {
-                    "replicas": len(services),
-                    "requests": requests,
-                    "requests_per_replica": [s["requests"] for s in services],
-                    "versions": [s["version"] for s in services],
-                    "forwards": forwards,
-                    "mean_batch": requests / max(forwards, 1),
-                    **{k: services[0][k] for k in ("latency_ms_p50", "latency_ms_p95")},
-                },
-            },
-            "staleness": tally.staleness() | {"max_staleness": self.cfg.max_staleness},
-            "replay": {
-                "capacity_steps": self.cfg.replay.capacity_steps,
-                "occupancy_mean": sum(occupancy) / max(len(occupancy), 1),
-                "occupancy_end": buffer["occupancy"],
-                "reader_wait_s": buffer["reader_wait_s"],
-                "resident_max_steps": buffer["resident_max_steps"],
-                "wait_at": self.cfg.replay.wait_at,
-                "writer_wait_s": buffer["writer_wait_s"],
-            },
             "dwr": {"enabled": self.cfg.rollout.dwr, "weights": self.choice.dwr.weights()},
             "curriculum": self.choice.summary(),
-            "samples": samples,
         }
 
-    def _sample_books(
-        self, tally: RunTally, workers: list[dict], trainers: list[dict], buffer: dict, prefetched
-    ) -> dict:
-        """The ``samples`` books in env steps, from the executors' stats and the ``prefetched``
-        steps (taken from the replay buffer, not yet received by a trainer rank)."""
-        trained = sum(t["trained"] for t in trainers)
-        retired = self.retired.values()
-        generated = sum(w["env_steps"] for w in workers) + sum(steps for steps, _ in retired)
-        dropped = {
-            "dropped_stale": sum(t["dropped_stale"] for t in trainers)
-            + buffer["dropped_stale_steps"],
-            "dropped_overflow": buffer["dropped_overflow_steps"],
-            "dropped_error": sum(w["dropped_error_steps"] for w in workers)
-            + sum(errors for _, errors in retired),
-            "dropped_resume": tally.dropped_resume,
-            "lost": tally.lost,
-        }
-        unfinished = [f["unfinished"] for f in tally.failures]  # rollout workers' (others: 0)
-        in_flight = {
-            "resident": buffer["resident_steps"],
-            "prefetched": prefetched,
-            "open": sum(w["open_steps"] for w in workers),
-        }
-        return {
-            "unit": "env_steps",
-            "generated": generated,
-            "trained": trained,
-            **dropped,
-            # Outside the books (never counted as generated); None if any death's is unknown.
-            "lost_unfinished": None if None in unfinished else sum(unfinished),
-            "in_flight": sum(in_flight.values()),
-            **{f"in_flight_{k}": v for k, v in in_flight.items()},
-            "accounted": generated == trained + sum(dropped.values()) + sum(in_flight.values()),
-        }
+    def partial_books(self, tally: RunTally) -> dict[str, Books]:
+        """The books of a run that stopped early, asked of the executors (the env steps are
+        counted where they are played); raises if an executor does not answer."""
+        found = self._stats(timeout=self.cfg.sync.timeout_s, whole=False)
+        return books(tally, found, self.retired, found.unreceived())
 
-    def partial_books(self, tally: RunTally) -> dict:
-        """The ``samples`` books of a run that stopped early, asked of the executors (the env
-        steps are counted where they are played); raises if an executor does not answer."""
-        timeout = self.cfg.sync.timeout_s
-        workers = ray.get([w.stats.remote() for w in self.workers], timeout=timeout)
-        trainers = ray.get([r.stats.remote() for r in self.trainer], timeout=timeout)
-        buffer = ray.get(self.replay_buffer.stats.remote(), timeout=timeout)
-        return self._sample_books(tally, workers, trainers, buffer, unreceived(buffer, trainers))
+    def _stats(self, timeout: float | None = None, *, whole: bool = True) -> EmbodiedStats:
+        """The executors' stats now: those the books need, and unless ``whole`` is false the
+        inference and world-model replicas' and the world-model trainer's; raises if one does
+        not answer within ``timeout`` seconds."""
 
-    def _imagined_sections(
-        self, tally: RunTally, workers: list[dict], trainers: list[dict], loop: dict
-    ) -> dict:
-        """The ``imagined_samples`` books (imagined env steps: generated = put into ``B_img``,
-        trained, dropped, in flight) and the ``world_model`` section."""
-        buffer = ray.get(self.imagined_buffer.stats.remote())
-        wm = ray.get(self.wm_trainer[0].stats.remote())
-        services = ray.get([s.stats.remote() for s in self.wm_services])
-        dropped = {
-            "dropped_stale": sum(t["imagined_dropped_stale"] for t in trainers)
-            + buffer["dropped_stale_steps"],
-            "dropped_overflow": buffer["dropped_overflow_steps"],
-            "dropped_resume": tally.imagined_dropped_resume,
-        }
-        in_flight = {
-            "resident": buffer["resident_steps"],
-            "prefetched": loop.get("prefetched_imagined", 0),
-        }
-        generated = buffer["put_steps"]
-        trained = sum(t["imagined_trained"] for t in trainers)
-        counts = [w["imagined"] for w in workers]
-        episodes = sum(c.get("episodes", 0) for c in counts)
-        if warning := imagined_waste(generated, dropped):
-            say(warning)
-        return {
-            "imagined_samples": {
-                "unit": "imagined_env_steps",
-                "generated": generated,
-                "by_live_workers": sum(c.get("steps", 0) for c in counts),
-                "trained": trained,
-                **dropped,
-                "in_flight": sum(in_flight.values()),
-                **{f"in_flight_{k}": v for k, v in in_flight.items()},
-                "accounted": generated == trained + sum(dropped.values()) + sum(in_flight.values()),
-                "episodes": episodes,
-                "success_rate": sum(c.get("successes", 0) for c in counts) / max(episodes, 1),
-            },
-            "world_model": {
-                "version": wm["version"],
-                "updates": wm["updates"],
-                "b_wm": {
-                    k: wm[k]
-                    for k in ("buffer_steps", "buffer_episodes", "added_steps", "evicted_steps")
-                },
-                "service": {
-                    "replicas": len(services),
-                    "requests": sum(s["requests"] for s in services),
-                    "mean_batch": sum(s["requests"] for s in services)
-                    / max(sum(s["forwards"] for s in services), 1),
-                    "versions": [s["version"] for s in services],
-                },
-            },
-        }
+        def get(refs: Any) -> Any:
+            return ray.get(refs, timeout=timeout)
 
-
-def unreceived(buffer: dict, ranks: list[dict], kind: str = "") -> int:
-    """Env steps ``buffer`` (its stats) handed out that no trainer rank (``ranks``' stats) has
-    received yet: taken, neither trained nor dropped stale; ``kind`` "imagined_" for ``B_img``."""
-    received = sum(t[f"{kind}trained"] + t[f"{kind}dropped_stale"] for t in ranks)
-    return buffer["taken_steps"] - received
+        imagined, served = self.imagined_buffer, whole and self.imagining
+        return EmbodiedStats(
+            workers=get([w.stats.remote() for w in self.workers]),
+            trainers=get([r.stats.remote() for r in self.trainer]),
+            services=get([s.stats.remote() for s in self.services]) if whole else (),
+            buffer=get(self.replay_buffer.stats.remote()),
+            imagined_buffer=get(imagined.stats.remote()) if imagined is not None else None,
+            world_model=get(self.wm_trainer[0].stats.remote()) if served else None,
+            wm_services=get([s.stats.remote() for s in self.wm_services]) if served else (),
+        )
 
 
 class TaskChoice:
@@ -939,21 +803,3 @@ def _refuse_mismatch(
             f"{field}={path!r}: {what} has other sizes than this run's {settings} settings: "
             f"{', '.join(found)}"
         )
-
-
-WASTE_WARN_FRACTION = 0.25  # imagined env steps dropped before training, above which we warn
-
-
-def imagined_waste(generated: int, dropped: dict[str, int]) -> str | None:
-    """A warning when more than ``WASTE_WARN_FRACTION`` of the imagined env steps were dropped
-    before any training (``B_img`` overflowed, or they aged past ``max_staleness``), naming the
-    knobs that balance what the workers imagine against what the trainer takes; else None."""
-    lost = dropped["dropped_overflow"] + dropped["dropped_stale"]
-    if not generated or lost / generated <= WASTE_WARN_FRACTION:
-        return None
-    return (
-        f"{lost / generated:.0%} of the {generated} imagined env steps were never trained "
-        f"({dropped['dropped_overflow']} overflowed imagination.buffer_steps, "
-        f"{dropped['dropped_stale']} aged past max_staleness): the workers imagine more than "
-        "the trainer takes; lower imagination.episodes_per_real or imagination.real_ratio"
-    )

@@ -25,6 +25,7 @@ from relayrl.launch import (
     restore,
     snapshot,
 )
+from relayrl.observability.books import Books
 from relayrl.observability.metrics import MetricsLog, RunTally, say
 from relayrl.recovery import DEATHS, Recovery, alive
 
@@ -222,7 +223,7 @@ class LLMWorkload:
                 for group, actor in ((self.generators, generator), (self.rewarders, rewarder)):
                     if not await alive(actor):
                         await self.recovery.replace(group, 0, err, dead=actor)
-        version = (await generator.stats.remote())["version"]
+        version = (await generator.stats.remote()).version
         return {
             "accuracy": score["reward_mean"],
             "n": score["samples"],
@@ -230,10 +231,10 @@ class LLMWorkload:
             "time_s": time.time() - start,
         }
 
-    def partial_books(self, tally: RunTally) -> dict:
+    def partial_books(self, tally: RunTally) -> dict[str, Books]:
         """The ``samples`` books of a run that stopped early: the controller's counts (it counts
         generation here), with what was in flight unknown."""
-        return tally.books()
+        return {"samples": tally.books()}
 
     def finish(self, tally: RunTally, loop: dict, rl_wall: float) -> dict:
         """Evaluate held-out again; the eval, perf, staleness and samples sections."""
@@ -247,12 +248,15 @@ class LLMWorkload:
                 ("train", tally.train_s),
             )
         }
-        in_flight = loop["in_flight"]
         return {
             "eval": {"end": end},
             "generation": {
                 "replicas": {
-                    name: {k: s[k] for k in ("version", "tokens_generated", "pending")}
+                    name: {
+                        "version": s.version,
+                        "tokens_generated": s.tokens_generated,
+                        "pending": s.pending,
+                    }
                     for name, s in zip(self.generators.names, stats, strict=True)
                 }
             },
@@ -263,20 +267,13 @@ class LLMWorkload:
             "staleness": tally.staleness()
             | tally.lengths()
             | {"max_staleness": self.cfg.max_staleness, "min_lag": self.cfg.generator.min_lag},
-            "samples": {
-                **tally.books(),
-                "lost_unfinished": sum(f["unfinished"] for f in tally.failures),
-                "in_flight": in_flight,
-                "accounted": tally.generated
-                == tally.trained
-                + tally.dropped_stale
-                + tally.dropped_resume
-                + tally.lost
-                + in_flight,
-                "unfinished_partials": sum(s["pending"] for s in stats),
-                "score_errors": tally.score_errors,
-                "score_timeouts": tally.score_timeouts,
-            },
+            "samples": tally.books(
+                in_flight={"pipeline": loop["in_flight"]},
+                lost_unfinished=sum(f["unfinished"] for f in tally.failures),
+                unfinished_partials=sum(s.pending for s in stats),
+                score_errors=tally.score_errors,
+                score_timeouts=tally.score_timeouts,
+            ).section(),
         }
 
     def _warm_start(self) -> dict:
