@@ -1,7 +1,8 @@
 """Rollout worker: steps its environments and cuts their episodes into trajectory segments.
 
-The worker never runs the policy: it asks a service for each action (``run``, async mode) or is
-handed actions by the controller (``observe`` / ``step``, lockstep mode, one env). A segment ends
+The worker never runs the policy: it asks a service for each action (``run``, async mode, until
+stopped; ``collect``, lockstep mode, one env, until it closes a segment) or is handed actions
+(``observe`` / ``step``, one env, for a caller that runs the policy itself). A segment ends
 when the episode ends or after ``segment_len`` steps; a longer episode is emitted in pieces whose
 images overlap by one observation (the last image of a piece is the first of the next).
 
@@ -27,8 +28,9 @@ segments are tagged ``imagined`` with the world-model version of their last step
 keeps each real episode's frames and actions, and hands the episodes a round finished to its
 imagination (for ``B_wm`` and the cache imagined episodes start from).
 
-The worker's books leave it with every request for an action (``run``: its id and ``env_steps``)
-and every answer to a step (``Stepped.env_steps``), besides the segments it closes: a controller
+The worker's books leave it with every request for an action (``run`` and ``collect``: its id
+and ``env_steps``) and every answer to a step (``Stepped.env_steps``), besides the segments it
+closes (``collect``'s ``Collected`` carries the last one's books): a controller
 then knows how many steps a worker that died took after the last segment it closed (all but a
 step in flight at the death, one per env, which only the dead process knew of).
 
@@ -86,6 +88,17 @@ class Stepped:
     env_steps: int  # the worker's books: env steps taken, this one included if the env took it
 
 
+@dataclass(frozen=True)
+class Collected:
+    """What one ``collect`` call closed, without the segments themselves: what the controller
+    reads while it hands the segments on by reference."""
+
+    worker: int  # the worker's id
+    steps: int  # env steps in the segments closed
+    worker_env_steps: int  # the worker's books as of its last closed segment
+    worker_dropped_error: int
+
+
 @dataclass
 class _OpenSegment:
     """A segment being filled; ``images`` and ``steps`` always hold one entry more than actions."""
@@ -125,10 +138,12 @@ class _Slot:
 
 
 class RolloutWorker:
-    """Envs stepped in lockstep by a controller (one) or in the worker's own loop by ``run``.
+    """Envs stepped in the worker's own loop: ``run`` (all of them, until stopped) or ``collect``
+    (the first, until it closes a segment); or by a caller, step by step (``observe``/``step``).
 
     ``worker_id`` tags the segments and results. ``make_env`` builds an environment (again after a
-    crash); ``envs`` is how many the worker steps (``observe`` and ``step`` use the first only).
+    crash); ``envs`` is how many the worker steps (``collect``, ``observe`` and ``step`` use the
+    first only).
     ``segment_len`` is the most steps in one segment (L). ``seed`` seeds the stream of
     per-episode reset seeds; give each worker its own. ``task_sampler`` picks the task at each
     reset (None lets the env choose its first task); DWR plugs in here. After
@@ -216,6 +231,33 @@ class RolloutWorker:
         if self.slots[0].obs is None:
             raise RuntimeError("step() needs an observation to act on: call observe() first")
         return self._step_slots(self.slots[:1], [(action_tokens, logprobs, value, version)])
+
+    def collect(
+        self, service: Callable[[Observation, int, int], ActReply], segments: int = 1
+    ) -> tuple[Collected, list[Segment]]:
+        """Step the first env, asking ``service`` (as ``run`` does) for each action, until it
+        has closed ``segments`` segments; returns what they hold and the segments. Called
+        between two weight updates (lockstep), every step of them is chosen by the same weights.
+        As a Ray call with ``num_returns=2`` the caller reads the summary and hands the
+        segments' reference on. A ``service`` with a ``close`` method is closed at the end."""
+        if segments < 1:
+            raise ValueError(f"segments must be >= 1, got {segments}")
+        slots, closed = self.slots[:1], []
+        try:
+            while len(closed) < segments:
+                obs = self._observe(slots[0])
+                start = time.perf_counter()
+                r = service(obs, self.worker_id, self._counts["env_steps"])
+                self._wait_s += time.perf_counter() - start
+                answer = (r.actions, r.logprobs, r.value, r.version)
+                closed += self._step_slots(slots, [answer]).segments
+        finally:
+            if hasattr(service, "close"):
+                service.close()
+        last = closed[-1]
+        steps = sum(len(s) for s in closed)
+        books = (last.worker_env_steps, last.worker_dropped_error)
+        return Collected(self.worker_id, steps, *books), closed
 
     def run(
         self,
