@@ -1,6 +1,6 @@
 """Ablations of AcceRL's systems mechanisms, one subcommand each (``ABLATIONS``).
 
-``g3``: the inference service's early drain (``inference.early_drain``). A new weight version is
+``g3``: the inference service's early drain (``experiment.early_drain``). A new weight version is
 received beside the forward passes, which wait only for the pointer swap; without it the whole
 transfer runs inside the model lock and every request that arrives meanwhile waits for it.
 
@@ -96,7 +96,7 @@ from relayrl.weight_sync.base import TrainerSide  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 ACCE = REPO / "configs" / "presets" / "acce.yaml"
-ARMS = {"early drain": True, "lock": False}  # arm -> inference.early_drain
+ARMS = {"early drain": True, "lock": False}  # arm -> experiment.early_drain
 WORKER_NICENESS = "RAY_worker_niceness"
 SERVICE = "inference_service"
 
@@ -726,7 +726,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g2_args.add_argument("--eval-every", type=int, default=25, help="steps between evals (25)")
     g2_args.add_argument("--eval-episodes", type=int, default=32, help="episodes per eval (32)")
     g2_args.add_argument("overrides", nargs="*", default=[], help="a.b=value config overrides")
-    g = sub.add_parser("g3", help="inference.early_drain: latency while weights swap")
+    g = sub.add_parser("g3", help="experiment.early_drain: latency while weights swap")
     g.add_argument(
         "--config", type=Path, default=REPO / "configs" / "babyai.yaml", help="configs/babyai.yaml"
     )

@@ -1,5 +1,6 @@
-"""Embodied hot path: the async pipeline with each env step a Ray call (``inference.transport=ray``)
-against the Unix-socket path (``socket``), beside the single-process reference, on one machine.
+"""Embodied hot path: the async pipeline with each env step a Ray call
+(``experiment.inference_transport=ray``) against the Unix-socket path (``socket``), beside the
+single-process reference, on one machine.
 
 Arms take turns (reference, ray, socket, then again for each repeat) so that load from other
 processes falls on each alike; ``--transports`` picks the transport arms (both by default), and
@@ -136,10 +137,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def arms(args: argparse.Namespace) -> dict[str, list[str]]:
     """The pipeline arms: name -> the overrides that make it."""
-    out = {t: [f"inference.transport={t}"] for t in args.transports}
+    out = {t: [f"experiment.inference_transport={t}"] for t in args.transports}
     for workers, envs in args.batched or []:
         out[f"socket_{workers}x{envs}"] = [
-            "inference.transport=socket",
+            "experiment.inference_transport=socket",
             f"rollout.workers={workers}",
             f"rollout.envs_per_worker={envs}",
         ]

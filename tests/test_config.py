@@ -477,3 +477,24 @@ def test_replay_wait_at_above_the_capacity_is_refused():
     with pytest.raises(ConfigError, match=r"replay.wait_at=4097 must be <= capacity_steps=4096"):
         load_config(None, ["workload=embodied", "replay.wait_at=4097"])
     assert load_config(None, ["workload=embodied", "replay.wait_at=1"]).replay.wait_at == 1
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ("inference.early_drain=false", "experiment.early_drain"),
+        ("inference.transport=ray", "experiment.inference_transport"),
+    ],
+)
+def test_a_study_switch_that_moved_is_refused_naming_its_new_key(old, new):
+    message = config_error(None, ["workload=embodied", old])
+    assert message == f"{old.split('=')[0]}: moved to {new}"
+    cfg = load_config(None, ["workload=embodied", f"{new}={old.split('=')[1]}"])
+    assert getattr(cfg.experiment, new.split(".")[1]) == yaml.safe_load(old.split("=")[1])
+    assert load_config(None, ["workload=embodied"]).experiment.inference_transport == "socket"
+
+
+def test_the_experiment_section_is_the_embodied_workloads():
+    message = config_error(None, ["experiment.early_drain=false"])
+    assert message.startswith("experiment: does not apply to workload='llm'")
+    assert isinstance(load_config(None, ["workload=embodied"]), EmbodiedConfig)

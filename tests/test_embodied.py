@@ -101,7 +101,7 @@ def test_async_run_bounds_the_lag_keeps_the_books_and_contains_env_crashes(
         "mode=async",
         "max_staleness=1",
         "steps=4",
-        f"inference.transport={transport}",
+        f"experiment.inference_transport={transport}",
         f"rollout.envs_per_worker={envs}",
     )
     summary = train(cfg, tmp_path / "run", make_env=functools.partial(crashing_babyai, cfg.env))

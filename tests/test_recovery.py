@@ -150,7 +150,7 @@ def test_killed_inference_replicas_and_rollout_workers_are_replaced_and_the_book
     monkeypatch.setitem(job.WORKLOADS, "embodied", KeptEmbodied)
     cfg = tiny_config(
         *EMBODIED,
-        *(f"mode={mode}", "steps=5", f"inference.transport={transport}", "env.eval_workers=2"),
+        *(f"mode={mode}", "steps=5", f"experiment.inference_transport={transport}", "env.eval_workers=2"),
     )
     run_dir = tmp_path / "run"
     how = ("ray.kill", "os.kill") if mode == "async" else ("os.kill", "ray.kill")

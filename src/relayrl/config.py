@@ -650,19 +650,6 @@ class InferenceConfig(_Section):
         description="Inference-service replicas, each a weight-sync receiver; rollout workers "
         "are spread over them in turn.",
     )
-    early_drain: bool = Field(
-        True,
-        description="Receive new weights beside forward passes, into the receiver's second copy "
-        "(held anyway, so no extra memory); requests wait only for the pointer swap. false: "
-        "the whole transfer runs inside the model lock and stalls every request.",
-    )
-    transport: Literal["socket", "ray"] = Field(
-        "socket",
-        description="How rollout workers ask for actions in async mode. socket: each worker keeps "
-        "a Unix-socket connection to its replica and sends raw bytes, no Ray call per env step "
-        "(a worker on another node than its replica falls back to Ray calls); ray: one Ray actor "
-        "call per env step.",
-    )
     min_lag: int = Field(
         0,
         ge=0,
@@ -674,6 +661,32 @@ class InferenceConfig(_Section):
         "sync.in_place=false. 0: off (lags are what timing gives).",
     )
     resources: dict[str, float] = _resources("inference-service")
+
+
+class ExperimentConfig(_Section):
+    """embodied: switches that only studies flip (docs/benchmarks.md); runs keep the defaults."""
+
+    early_drain: bool = Field(
+        True,
+        description="Inference services receive new weights beside forward passes, into the "
+        "receiver's second copy (held anyway, so no extra memory); requests wait only for the "
+        "pointer swap. false: the whole transfer runs inside the model lock and stalls every "
+        "request (the lock arm of the early-drain study).",
+    )
+    inference_transport: Literal["socket", "ray"] = Field(
+        "socket",
+        description="How rollout workers ask for actions in async mode. socket: each worker keeps "
+        "a Unix-socket connection to its replica and sends raw bytes, no Ray call per env step "
+        "(a worker on another node than its replica falls back to Ray calls); ray: one Ray actor "
+        "call per env step (the baseline of the hot-path study).",
+    )
+
+
+# Options that moved, by their old key: given, they are refused naming the new one.
+MOVED = {
+    "inference.early_drain": "experiment.early_drain",
+    "inference.transport": "experiment.inference_transport",
+}
 
 
 class ImaginationConfig(_Section):
@@ -1156,6 +1169,9 @@ class EmbodiedConfig(Config):
     imagination: ImaginationConfig | None = _present(
         "embodied: imagination (AcceRL-WM), present when imagination.episodes_per_real > 0"
     )
+    experiment: ExperimentConfig = Field(
+        ExperimentConfig(), description="embodied: switches that only studies flip."
+    )
 
     def features(self) -> set[str]:
         """The optional sections whose feature is on (see FEATURES)."""
@@ -1587,6 +1603,8 @@ def _describe(err: ValidationError) -> str:
     where = ".".join(str(part) for part in loc)
     value = first.get("input")
     if first["type"] == "extra_forbidden":
+        if where in MOVED:
+            return f"{where}: moved to {MOVED[where]}"
         other = next(name for name in CONFIGS if name != workload)
         if loc and str(loc[-1]) in (_fields_at(CONFIGS[other], loc[:-1]) or []):
             return (
@@ -1648,6 +1666,9 @@ def reference_markdown() -> str:
     for name, own in rows.items():
         lines += ["", f"`workload: {name}`:", "", *header]
         lines += [row for key, row in own.items() if key not in common]
+    lines += ["", "Options that moved (the old key is refused naming the new one):", ""]
+    lines += ["| was | now |", "|---|---|"]
+    lines += [f"| `{old}` | `{new}` |" for old, new in MOVED.items()]
     return "\n".join(lines) + "\n"
 
 

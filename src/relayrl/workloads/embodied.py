@@ -280,7 +280,7 @@ class EmbodiedWorkload:
                 max_wait_ms=cfg.inference.max_wait_ms,
                 threads=cfg.ray.threads_per_executor,
                 sync_timeout_s=cfg.sync.timeout_s,
-                early_drain=cfg.inference.early_drain,
+                early_drain=cfg.experiment.early_drain,
                 seed=cfg.run.seed + SERVICE_SEED + i + incarnation * cfg.inference.replicas,
             )
         )
@@ -377,8 +377,8 @@ class EmbodiedWorkload:
 
     def service_client(self, worker: int) -> ServiceClient | SocketServiceClient:
         """What rollout worker ``worker`` calls for an action in async mode: its replica's
-        socket (Ray calls from another node), or Ray calls (``inference.transport``)."""
-        if self.cfg.inference.transport == "socket":
+        socket (Ray calls from another node), or Ray calls (``experiment.inference_transport``)."""
+        if self.cfg.experiment.inference_transport == "socket":
             return SocketServiceClient(self.service_of(worker))
         return ServiceClient(self.service_of(worker))
 
