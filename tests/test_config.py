@@ -320,7 +320,7 @@ def test_save_config_round_trips_overridden_values(tmp_path):
 
     assert load_config(saved) == cfg
     written = yaml.safe_load(saved.read_text())
-    off = {"reward_model", "reference", "critic"}
+    off = {"reward_model", "reward_models", "reference", "critic"}  # none placed or declared
     assert list(written) == [k for k in LLMConfig.model_fields if k not in off]
     assert not {"env", "rollout", "inference", "replay", "vla"} & set(written)
     assert "gamma" not in written["trainer"] and written["trainer"]["lr"] == 1e-7

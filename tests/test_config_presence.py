@@ -187,6 +187,10 @@ def test_an_embodied_run_takes_the_options_of_its_default_loss():
 
 # One refusal per rule across sections: the overrides (over the defaults) and what the line says.
 REFUSALS = {
+    "_reward_model_names_are_unique": (
+        ["reward_models=[{name: rm, path: .}, {name: rm, path: .}]"],
+        "reward_models.1.name = 'rm': reward_models.0 has this name",
+    ),
     "_loss_options_belong_to_the_loss": (["trainer.m2po_tau=0.1"], "an option of loss m2po"),
     "_options_belong_to_their_setting": (
         ["trainer.kl_in=reward"],

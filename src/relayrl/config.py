@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args, get_origin
@@ -271,6 +272,11 @@ class RewarderConfig(_Section):
         return value
 
 
+# The roles of an LLM run that the config places: a reward-model stage of reward_models (and a
+# Stage of a pipeline's) takes a name of its own.
+LLM_ROLES = ("trainer", "generator", "rewarder", "reward_model", "reference", "critic")
+
+
 class RewardModelConfig(_Section):
     """A learned reward: a sequence-classification model scoring (prompt, completion) pairs."""
 
@@ -279,9 +285,14 @@ class RewardModelConfig(_Section):
         description="Local Hugging Face sequence-classification checkpoint (one label: the "
         "score) with its tokenizer; set, it places the reward_model role after the rewarder.",
     )
-    weight: float = Field(1.0, description="reward = rule_weight * rule reward + weight * score.")
+    weight: float = Field(
+        1.0,
+        description="reward = rule_weight * reward + weight * score, the reward being what the "
+        "stages before gave (the rewarder's rule reward, then each earlier reward model's term).",
+    )
     rule_weight: float = Field(
-        1.0, description="Weight of the rewarder's rule reward in the combined reward."
+        1.0,
+        description="Weight of the reward the stages before gave (1: reward += weight * score).",
     )
     batch_size: int = Field(64, ge=1, description="Pairs scored per forward pass.")
     max_length: int = Field(
@@ -298,6 +309,28 @@ class RewardModelConfig(_Section):
     def _path_exists(cls, value: str | None) -> str | None:
         if value is not None and not Path(value).is_dir():
             raise ValueError("directory does not exist")
+        return value
+
+
+class RewardModelStageConfig(RewardModelConfig):
+    """One entry of ``reward_models``: a reward-model stage with a name of its own."""
+
+    name: str = Field(
+        description="The stage's role name (its summary section, metrics and actors): lowercase "
+        "letters, digits and _, unique, not a built-in role."
+    )
+    path: str = Field(
+        description="Local Hugging Face sequence-classification checkpoint (one label: the "
+        "score) with its tokenizer; required."
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _name_is_free(cls, value: str) -> str:
+        if not re.fullmatch(r"[a-z][a-z0-9_]*", value):
+            raise ValueError("use lowercase letters, digits and _, starting with a letter")
+        if value in LLM_ROLES:
+            raise ValueError(f"a built-in role's name ({', '.join(LLM_ROLES)}); choose another")
         return value
 
 
@@ -1129,6 +1162,12 @@ class LLMConfig(Config):
         "llm: the reward model, present when reward_model.path is set (it places the "
         "reward_model role)"
     )
+    reward_models: list[RewardModelStageConfig] = Field(
+        default_factory=list,
+        description="llm: more reward-model stages, each {name, path, weight, ...} as in "
+        "reward_model, placed in this order after the rewarder (and reward_model); each one's "
+        "name is its role.",
+    )
     reference: ReferenceConfig | None = _present(
         "llm: the reference policy of the KL term, present when trainer.kl_coef > 0"
     )
@@ -1459,12 +1498,24 @@ def _in_place_sync_needs_one_rank(cfg: Config) -> None:
         )
 
 
+def _reward_model_names_are_unique(cfg: Config) -> None:
+    """Each reward_models entry names a role of its own."""
+    names = [rm.name for rm in cfg.reward_models]
+    for i, name in enumerate(names):
+        if name in names[:i]:
+            raise ValueError(
+                f"reward_models.{i}.name = {name!r}: reward_models.{names.index(name)} has this "
+                "name; each reward model needs its own"
+            )
+
+
 # The checks across sections of each workload, in the order they run after the sections are
 # placed; each raises one line naming its fields and what would make them valid.
 _EVERY_RUN = (_loss_options_belong_to_the_loss, _options_belong_to_their_setting)
 RULES: dict[str, tuple[Callable[[Any], None], ...]] = {
     "llm": (
         *_EVERY_RUN,
+        _reward_model_names_are_unique,
         _generator_lag_within_staleness,
         _generator_lag_fits_the_channels,
         _gae_takes_the_kl_in_the_loss,
@@ -1613,6 +1664,8 @@ def _describe(err: ValidationError) -> str:
             )
         allowed = ", ".join(_fields_at(CONFIGS[str(workload)], loc[:-1]) or [])
         return f"{where}: unknown key (allowed here: {allowed})"
+    if first["type"] == "missing":
+        return f"{where}: required, not given"
     message = first["msg"].removeprefix("Value error, ")
     if not where:  # a check across sections names its fields itself
         return message
@@ -1623,6 +1676,8 @@ def _describe(err: ValidationError) -> str:
 def _fields_at(model: Any, loc: Sequence[Any]) -> list[str] | None:
     """The fields of the section at ``loc`` under ``model``; None where there is none."""
     for part in loc:
+        if isinstance(part, int):  # an entry of a list of sections
+            continue
         field = model.model_fields.get(str(part)) if isinstance(model, type) else None
         if field is None or not hasattr(model, "model_fields"):
             return None
@@ -1649,6 +1704,8 @@ def save_config(config: Config, path: Path) -> None:
     mine = set(LOSS_OPTIONS.get(config.trainer.loss, {}).values())
     others = {f for options in LOSS_OPTIONS.values() for f in options.values()} - mine
     exclude["trainer"] = others
+    if isinstance(config, LLMConfig) and not config.reward_models:
+        exclude["reward_models"] = True
     for key, _, name, _ in _settings_off(config):
         exclude.setdefault(key.partition(".")[0], set()).add(name)
     tree = config.model_dump(mode="json", exclude=exclude)
@@ -1681,6 +1738,10 @@ def _reference_rows(config: type[BaseModel]) -> dict[str, str]:
             key = f"{prefix}{name}"
             annotation = _section_model(field.annotation)
             if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+                if get_origin(field.annotation) is list:
+                    lines[key] = f"| `{key}` | list of sections | `[]` | {field.description} |"
+                    walk(annotation, key + "[].")
+                    continue
                 if annotation is not field.annotation:  # an optional section: when it is there
                     lines[key] = f"| `{key}` | section or null | `null` | {field.description} |"
                 walk(annotation, key + ".")

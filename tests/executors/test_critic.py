@@ -67,6 +67,9 @@ def test_the_critic_learns_the_returns_of_a_batch(start):
     restored = Critic(cfg)
     restored.load_state_dict(critic.state_dict())
     assert restored.updates == critic.updates
+    stats = restored.stats()
+    # 31 batches of 4 samples, critic.epochs steps each
+    assert (stats.scored, stats.updates) == (4 * 31, 31 * critic.section.epochs)
     pairs = zip(restored.model.parameters(), critic.model.parameters(), strict=True)
     assert all(torch.equal(a, b) for a, b in pairs)
 

@@ -114,7 +114,7 @@ def test_the_critic_skips_a_batch_with_a_nan_reward(tmp_path):
     before["gradient_step"].pop("skipped_nonfinite")
     assert_bit_identical(after, before)
     assert skips == 1 and critic.updates == 1
-    assert critic.stats()["skipped_nonfinite"] == 1
+    assert critic.stats().skipped_nonfinite == 1
     assert scored.stage_metrics["critic/skipped_nonfinite"] == 1.0
     _, scored = critic.score(completions(4))
     assert critic.updates == 2 and scored.stage_metrics["critic/skipped_nonfinite"] == 0.0

@@ -41,7 +41,13 @@ def test_the_reference_scores_the_log_probs_the_policy_sampled_with(tmp_path):
     assert np.allclose(scored.ref_logprobs[mask], batch.logprobs[mask], atol=1e-5)
     assert (scored.ref_logprobs[~mask] == 0).all()
     assert abs(summary["kl_mu_ref"]) < 1e-4 and summary["samples"] == 4
-    assert reference.state_dict() == {"path": str(tmp_path), "scored": 4}
+    state = {"path": str(tmp_path), "scored": 4, "errors": 0, "timeouts": 0}
+    assert reference.state_dict() == state
+    assert reference.stats().scored == 4
+    restored = Reference(cfg)
+    older = {"path": str(tmp_path), "scored": 4}  # a checkpoint from before errors, timeouts
+    restored.load_state_dict(older)
+    assert restored.state_dict() == state and restored.model is not None
 
 
 def test_kl_in_the_loss_is_zero_at_the_reference_and_k3_of_a_shifted_reference():

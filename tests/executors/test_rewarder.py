@@ -61,7 +61,7 @@ def test_math_scorer_runs_sandboxed_and_counts_timeouts():
         assert scored.completions[0] == completions[0]  # bytes round-trip through the tokenizer
         assert scored.rewards.tolist() == [1.0, 1.0, 0.0, 0.0]
         assert summary["timeouts"] + summary["errors"] == 1
-        assert rewarder.stats()["timeouts"] + rewarder.stats()["errors"] == 1
+        assert rewarder.stats().timeouts + rewarder.stats().errors == 1
     finally:
         rewarder.close()
 
@@ -77,7 +77,7 @@ def test_an_exact_answer_scorer_that_raises_is_counted_and_scores_zero():
     summary, scored = rewarder.score(batch)
     assert scored.rewards.tolist() == [1.0, 0.0]
     assert summary["errors"] == 1 and summary["timeouts"] == 0
-    assert scored.score_errors == 1 and rewarder.stats()["errors"] == 1
+    assert scored.score_errors == 1 and rewarder.stats().errors == 1
 
 
 def test_a_math_scorer_that_raises_in_the_pool_is_counted_and_scores_zero():
@@ -93,7 +93,7 @@ def test_a_math_scorer_that_raises_in_the_pool_is_counted_and_scores_zero():
         summary, scored = rewarder.score(batch)
         assert scored.rewards.tolist() == [1.0, 0.0, 1.0]
         assert summary["errors"] == 1 and summary["timeouts"] == 0
-        assert scored.score_errors == 1 and rewarder.stats()["errors"] == 1
+        assert scored.score_errors == 1 and rewarder.stats().errors == 1
     finally:
         rewarder.close()
 
@@ -112,7 +112,7 @@ def test_a_user_rule_runs_sandboxed_and_a_forever_loop_is_a_timeout():
         summary, scored = rewarder.score(batch)
         assert scored.rewards.tolist() == [1.0, 0.0, 0.0, 1.0]
         assert summary["timeouts"] == 1 and summary["errors"] == 0
-        assert rewarder.stats()["timeouts"] == 1 and rewarder.stats()["scored"] == 4
+        assert rewarder.stats().timeouts == 1 and rewarder.stats().scored == 4
         assert rewarder.pool.counters == {"timeouts": 1, "errors": 0, "scored": 4}
     finally:
         rewarder.close()

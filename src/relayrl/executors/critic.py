@@ -25,7 +25,6 @@ and optimizer from the run checkpoint.
 from __future__ import annotations
 
 import copy
-import time
 from dataclasses import replace
 
 import numpy as np
@@ -34,25 +33,24 @@ from transformers import AutoModelForTokenClassification
 
 from relayrl.algorithms.advantages import gae
 from relayrl.config import Config
+from relayrl.executors.stage_executor import StageExecutor
 from relayrl.executors.trainer_core import GradientStep
-from relayrl.observability.tracing import Span, Tracer
-from relayrl.types import RolloutBatch
+from relayrl.types import RolloutBatch, StageStats
 
 
-class Critic:
+class Critic(StageExecutor):
     """Token-level value model; a Ray actor in a run, a plain object in tests."""
 
     name = "critic"
 
     def __init__(self, cfg: Config):
         torch.set_num_threads(cfg.ray.threads_per_executor)
-        self.cfg = cfg.critic
+        super().__init__(cfg)
+        self.section = cfg.critic
         self.seed = cfg.run.seed
         self.model: torch.nn.Module | None = None
         self.gradient_step: GradientStep | None = None
         self.path: str | None = None
-        self.tracer = Tracer(self.name)
-        self.scored = 0
         self.updates = 0
 
     def load(self, path: str) -> None:
@@ -63,7 +61,7 @@ class Critic:
         )
         # AdamW's default weight decay; the value head's gradient norm clipped to 1.
         self.gradient_step = GradientStep(
-            self.model, lr=self.cfg.lr, weight_decay=0.01, grad_clip=1.0
+            self.model, lr=self.section.lr, weight_decay=0.01, grad_clip=1.0
         )
         self.path = path
 
@@ -72,11 +70,6 @@ class Critic:
         ``token_advantages``; then learns from the batch's returns."""
         if self.model is None:
             raise RuntimeError("call load() before score()")
-        with self.tracer.span("critic"):
-            return self._score(batch)
-
-    def _score(self, batch: RolloutBatch) -> tuple[dict[str, float], RolloutBatch]:
-        start = time.perf_counter()
         tokens = torch.from_numpy(batch.tokens)
         lengths = torch.from_numpy(batch.prompt_len + batch.completion_len)
         place, mask = self._positions(batch)
@@ -91,8 +84,8 @@ class Critic:
             values,
             torch.ones(len(batch), dtype=torch.bool),
             mask,
-            gamma=self.cfg.gamma,
-            lam=self.cfg.lam,
+            gamma=self.section.gamma,
+            lam=self.section.lam,
         )
         valid = advantages[mask]
         normalised = (
@@ -103,15 +96,11 @@ class Critic:
         aligned[rows.numpy(), place[rows, cols].numpy() + 1] = normalised[rows, cols].numpy()
         explained = 1 - (returns[mask] - values[:, :-1][mask]).var() / (returns[mask].var() + 1e-8)
         skipped = self.gradient_step.skipped_nonfinite
-        losses = [self._fit(tokens, lengths, place, mask, returns) for _ in range(self.cfg.epochs)]
-        self.scored += len(batch)
-        summary = {
-            "samples": len(batch),
-            "errors": 0,
-            "timeouts": 0,
+        epochs = self.section.epochs
+        losses = [self._fit(tokens, lengths, place, mask, returns) for _ in range(epochs)]
+        summary = self.summary(batch) | {
             "value_loss": losses[-1] if losses else 0.0,
             "explained_variance": float(explained),
-            "busy_s": time.perf_counter() - start,
         }
         logged = {f"critic/{k}": summary[k] for k in ("value_loss", "explained_variance")}
         logged["critic/skipped_nonfinite"] = float(self.gradient_step.skipped_nonfinite - skipped)
@@ -148,30 +137,21 @@ class Critic:
         self.updates += stepped
         return float(loss.detach())
 
-    def stats(self) -> dict[str, float]:
-        """Counters for the run summary."""
+    def stats(self) -> StageStats:
+        """The stage's counters, its optimizer steps and those skipped as not finite."""
         skipped = self.gradient_step.skipped_nonfinite if self.gradient_step else 0
-        return {
-            "busy_s": self.tracer.busy_s(),
-            "scored": self.scored,
-            "updates": self.updates,
-            "skipped_nonfinite": skipped,
-        }
-
-    def trace(self) -> tuple[list[Span], list[Span]]:
-        """Busy spans and waits recorded so far."""
-        return self.tracer.spans, self.tracer.waits
+        return replace(super().stats(), updates=self.updates, skipped_nonfinite=skipped)
 
     def state_dict(self) -> dict:
         """Weights, optimizer state and skip counter, where it started, counters."""
         return copy.deepcopy(
-            {
+            super().state_dict()
+            | {
                 "path": self.path,
                 "model": None if self.model is None else self.model.state_dict(),
                 "gradient_step": None
                 if self.gradient_step is None
                 else self.gradient_step.state_dict(),
-                "scored": self.scored,
                 "updates": self.updates,
             }
         )
@@ -182,4 +162,5 @@ class Critic:
             self.load(state["path"])
             self.model.load_state_dict(state["model"])
             self.gradient_step.load_state_dict(state["gradient_step"])
-        self.scored, self.updates = state["scored"], state["updates"]
+        super().load_state_dict(state)
+        self.updates = state["updates"]

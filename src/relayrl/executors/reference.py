@@ -12,7 +12,6 @@ log-probs the generator recorded.
 
 from __future__ import annotations
 
-import time
 from dataclasses import replace
 
 import numpy as np
@@ -21,25 +20,23 @@ from transformers import AutoModelForCausalLM
 
 from relayrl.algorithms.kl import sequence_kl
 from relayrl.config import Config
+from relayrl.executors.stage_executor import StageExecutor
 from relayrl.models.lm import DTYPES, token_logprobs
-from relayrl.observability.tracing import Span, Tracer
 from relayrl.types import RolloutBatch
 
 ROWS_PER_FORWARD = 64  # bounds the logits' memory: [rows, L, vocab] float32
 
 
-class Reference:
+class Reference(StageExecutor):
     """Frozen reference policy; a Ray actor in a run, a plain object in tests."""
 
     name = "reference"
 
     def __init__(self, cfg: Config):
         torch.set_num_threads(cfg.ray.threads_per_executor)
-        self.cfg = cfg
+        super().__init__(cfg)
         self.model: torch.nn.Module | None = None
         self.path: str | None = None
-        self.tracer = Tracer(self.name)
-        self.scored = 0
 
     def load(self, path: str) -> None:
         """Load the reference weights from a Hugging Face checkpoint directory."""
@@ -51,11 +48,6 @@ class Reference:
         """A small summary, and ``batch`` with ``ref_logprobs`` filled in."""
         if self.model is None:
             raise RuntimeError("call load() before score()")
-        with self.tracer.span("reference"):
-            return self._score(batch)
-
-    def _score(self, batch: RolloutBatch) -> tuple[dict[str, float], RolloutBatch]:
-        start = time.perf_counter()
         ref = np.zeros_like(batch.logprobs)
         for offset in range(0, len(batch), ROWS_PER_FORWARD):
             rows = slice(offset, offset + ROWS_PER_FORWARD)
@@ -74,31 +66,16 @@ class Reference:
             mask,
             self.cfg.trainer.kl_estimator,
         )
-        self.scored += len(batch)
-        summary = {
-            "samples": len(batch),
-            "errors": 0,
-            "timeouts": 0,
-            "kl_mu_ref": float(kl.mean()) if len(batch) else 0.0,
-            "busy_s": time.perf_counter() - start,
-        }
+        summary = self.summary(batch) | {"kl_mu_ref": float(kl.mean()) if len(batch) else 0.0}
         logged = batch.stage_metrics | {"reference/kl_mu_ref": summary["kl_mu_ref"]}
         return summary, replace(batch, ref_logprobs=ref, stage_metrics=logged)
 
-    def stats(self) -> dict[str, float]:
-        """Counters for the run summary."""
-        return {"busy_s": self.tracer.busy_s(), "scored": self.scored}
-
-    def trace(self) -> tuple[list[Span], list[Span]]:
-        """Busy spans and waits recorded so far."""
-        return self.tracer.spans, self.tracer.waits
-
     def state_dict(self) -> dict:
-        """Where its weights are (the run directory's copy) and its counter."""
-        return {"path": self.path, "scored": self.scored}
+        """Where its weights are (the run directory's copy) and its counters."""
+        return super().state_dict() | {"path": self.path}
 
     def load_state_dict(self, state: dict) -> None:
-        """Reload the weights ``state_dict`` names and restore the counter."""
+        """Reload the weights ``state_dict`` names and restore the counters."""
         if state["path"] is not None:
             self.load(state["path"])
-        self.scored = state["scored"]
+        super().load_state_dict(state)

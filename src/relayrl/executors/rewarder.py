@@ -13,14 +13,13 @@ counted the same way and one that times out (a rule that loops forever) scores 0
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import replace
 
 import numpy as np
 
 from relayrl.config import Config
-from relayrl.observability.tracing import Span, Tracer
+from relayrl.executors.stage_executor import StageExecutor
 from relayrl.rewards.exact import exact_answer
 from relayrl.rewards.sandbox import ScoringPool
 from relayrl.types import RolloutBatch
@@ -31,12 +30,13 @@ SCORERS: dict[str, Callable[[str, str], float]] = {"exact_answer": exact_answer}
 SANDBOXED: dict[str, str] = {"math": "relayrl.rewards.math:_score_unbounded"}
 
 
-class Rewarder:
+class Rewarder(StageExecutor):
     """Scores rollout batches; a Ray actor in a run, a plain object in tests."""
 
     name = "rewarder"
 
     def __init__(self, cfg: Config, rule: Callable[[str, str], float] | None = None):
+        super().__init__(cfg)
         rc = cfg.rewarder
         sandboxed = rule is None and rc.scorer not in SCORERS  # math, or a module:function rule
         self.pool = (
@@ -45,19 +45,11 @@ class Rewarder:
             else None
         )
         self.scorer = rule if rule is not None else SCORERS.get(rc.scorer)
-        self.tracer = Tracer(self.name)
-        self.scored = 0
-        self.errors = 0
-        self.timeouts = 0
 
     def score(self, *batches: RolloutBatch) -> tuple[dict[str, float], RolloutBatch]:
         """A small summary, and one batch (``batches`` one after the other) with ``rewards`` and
         ``score_errors`` filled in; each batch must carry its ``completions`` (the generator's)."""
-        with self.tracer.span("score"):
-            return self._score(RolloutBatch.concat(batches))
-
-    def _score(self, batch: RolloutBatch) -> tuple[dict[str, float], RolloutBatch]:
-        start = time.perf_counter()
+        batch = RolloutBatch.concat(batches)
         texts = batch.completions
         if len(texts) != len(batch):
             raise ValueError(
@@ -70,16 +62,8 @@ class Rewarder:
             [(texts[i], batch.answers[i]) for i in finished]
         )
         rewards[finished] = scores
-        self.scored += len(batch)
-        self.errors += errors
-        self.timeouts += timeouts
-        elapsed = time.perf_counter() - start
-        summary = {
-            "samples": len(batch),
-            "errors": errors,
-            "timeouts": timeouts,
-            "reward_mean": float(rewards.mean()) if len(batch) else 0.0,
-            "busy_s": elapsed,
+        summary = self.summary(batch, errors, timeouts) | {
+            "reward_mean": float(rewards.mean()) if len(batch) else 0.0
         }
         scored = replace(batch, rewards=rewards, score_errors=errors)
         return summary, replace(scored, rule_rewards=rewards.copy())  # kept as later stages mix
@@ -108,28 +92,3 @@ class Rewarder:
         """Stop the scoring processes, if any."""
         if self.pool is not None:
             self.pool.close()
-
-    def stats(self) -> dict[str, float]:
-        """Counters for the run summary."""
-        return {
-            "busy_s": self.tracer.busy_s(),
-            "scored": self.scored,
-            "errors": self.errors,
-            "timeouts": self.timeouts,
-        }
-
-    def trace(self) -> tuple[list[Span], list[Span]]:
-        """Busy spans and waits recorded so far."""
-        return self.tracer.spans, self.tracer.waits
-
-    def state_dict(self) -> dict:
-        """Counters to restore on resume."""
-        return {"scored": self.scored, "errors": self.errors, "timeouts": self.timeouts}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Restore what ``state_dict`` saved."""
-        self.scored, self.errors, self.timeouts = (
-            state["scored"],
-            state["errors"],
-            state["timeouts"],
-        )
