@@ -2,8 +2,9 @@
 
 ``FormatAuditor`` is a scoring stage (a ``relayrl.pipeline.StageExecutor``): every batch passes
 it after the rewarder. It subtracts ``penalty`` from the reward of each finished completion that
-is not a plain number, and keeps a running count of what it saw; the count is its state, so a
-resumed run (``--resume``) carries it on. It runs on replicas of its own, is traced, and is
+is not a plain number, and counts them; the count is its state, so a resumed run
+(``--resume``) carries it on, and the run summary's ``stages`` section reports it beside the
+samples the stage scored. It runs on replicas of its own, is traced, and is
 replaced like any built-in executor if it dies.
 
     python examples/extra_executor.py --steps 300 --run-dir runs/audited
@@ -33,7 +34,6 @@ class FormatAuditor(StageExecutor):
     def __init__(self, cfg, penalty: float = 0.5):
         super().__init__(cfg)
         self.penalty = penalty
-        self.seen = 0
         self.malformed = 0
 
     def score(self, batch):
@@ -45,22 +45,22 @@ class FormatAuditor(StageExecutor):
             ],
             dtype=bool,
         )
-        self.seen += len(batch)
         self.malformed += int(bad.sum())
         rewards = (batch.rewards - self.penalty * bad).astype(np.float32)
         return self.summary(batch), replace(batch, rewards=rewards)
 
     def stats(self):
-        """The counts, next to the busy time."""
-        return super().stats() | {"seen": self.seen, "malformed": self.malformed}
+        """The base's counters (samples scored, busy time) and the malformed count."""
+        return replace(super().stats(), counts={"malformed": self.malformed})
 
     def state_dict(self):
-        """The counts, for a resumed run."""
-        return {"seen": self.seen, "malformed": self.malformed}
+        """The base's counters and the malformed count, for a resumed run."""
+        return super().state_dict() | {"malformed": self.malformed}
 
     def load_state_dict(self, state):
         """Restore the counts."""
-        self.seen, self.malformed = state["seen"], state["malformed"]
+        super().load_state_dict(state)
+        self.malformed = state["malformed"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,7 +76,9 @@ def main(argv: list[str] | None = None) -> int:
         REPO / "configs" / "arith.yaml", [f"steps={args.steps}", *args.overrides], stages=[auditor]
     )
     summary = pipeline.train(args.run_dir)
+    audited = summary["stages"]["format_auditor"]
     print(json.dumps({"eval": summary["eval"], "samples": summary["samples"]}, indent=1))
+    print(f"format_auditor: {audited['malformed']} of {audited['scored']} samples malformed")
     return 0
 
 

@@ -340,3 +340,30 @@ def trainer_group(cls: type, *args: Any, world: int = 2) -> Iterator[list[Any]]:
 def on_all(ranks: list[Any], method: str, *args: Any) -> list[Any]:
     """Call ``method`` on every rank at once with the same arguments, as the controller does."""
     return ray.get([getattr(r, method).remote(*args) for r in ranks], timeout=TIMEOUT_S)
+
+
+def tiny_reward_model(path: Path, seed: int) -> Path:
+    """A tiny random one-label Llama classifier with the character tokenizer, saved at ``path``;
+    its score weights are drawn at scale 1 so the score visibly depends on the text (the default
+    init scores nearly 0)."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    from relayrl.models.lm import load_tokenizer
+
+    tokenizer = load_tokenizer(str(builtin_tokenizer_dir("char")))
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        num_labels=1,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model = LlamaForSequenceClassification(config)
+    with torch.no_grad():
+        model.score.weight.normal_(0.0, 1.0)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

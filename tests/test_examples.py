@@ -69,6 +69,11 @@ def test_the_extra_executor_example_places_its_auditor_and_penalises(ray_session
     records = _run("extra_executor", tmp_path / "run", "--penalty", "100")
     roles = json.loads((tmp_path / "run" / "summary.json").read_text())["topology"]["roles"]
     assert [m["name"] for m in roles["format_auditor"]] == ["format_auditor"]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    audited, books = summary["stages"]["format_auditor"], summary["samples"]
+    # async: a batch still in flight at the end may or may not have passed the auditor
+    assert books["trained"] + books["dropped_stale"] <= audited["scored"] <= books["generated"]
+    assert 0 < audited["malformed"] <= audited["scored"]
     # a completion that is not a number lost 100: the trained reward fell far below the rule's
     assert any(
         r["rollout/trained_reward_mean"] < r["rollout/reward_mean"] - 1 for r in _steps(records)

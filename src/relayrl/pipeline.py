@@ -6,7 +6,8 @@ to the generators. The stages, in the order a batch passes them:
 
 1. the rewarder (its rule: ``rewarder.scorer``, or a ``rule`` function given here);
 2. the ``Stage`` executors given here, in order;
-3. the reward model, when ``reward_model.path`` is set;
+3. the reward models: ``reward_model`` when ``reward_model.path`` is set, then each entry of
+   ``reward_models`` in the order declared;
 4. the reference policy, when ``trainer.kl_coef`` > 0;
 5. the critic, when ``trainer.advantage`` = gae.
 

@@ -7,38 +7,20 @@ import json
 
 import numpy as np
 import pytest
-import torch
 from conftest import SMALL_LLM as SMALL
-from conftest import tiny_config
+from conftest import tiny_config, tiny_reward_model
 from transformers import LlamaConfig, LlamaForSequenceClassification
 
 from relayrl import job
 from relayrl.executors.generator import Generator
 from relayrl.executors.reward_model import RewardModel
-from relayrl.models.lm import builtin_tokenizer_dir, load_tokenizer
+from relayrl.models.lm import load_tokenizer
 
 
 @pytest.fixture(scope="module")
 def classifier(tmp_path_factory):
     """A tiny random one-label Llama classifier with the character tokenizer."""
-    path = tmp_path_factory.mktemp("rm")
-    tokenizer = load_tokenizer(str(builtin_tokenizer_dir("char")))
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=64,
-        num_labels=1,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    model = LlamaForSequenceClassification(config)
-    with torch.no_grad():  # a visible score: the default init is nearly zero
-        model.score.weight.normal_(0.0, 1.0)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return tiny_reward_model(tmp_path_factory.mktemp("rm"), seed=0)
 
 
 def _batch(cfg):
@@ -61,6 +43,8 @@ def test_rewards_are_the_weighted_sum_of_rule_reward_and_score(classifier):
     assert np.allclose(scored.rewards, 0.5 * batch.rewards + 2 * alone, atol=1e-5)
     assert len(set(alone.round(5))) > 1  # the score depends on the text
     assert summary["samples"] == 4 and summary["score_mean"] == pytest.approx(alone.mean())
+    assert scored.stage_metrics["reward_model/score_mean"] == summary["score_mean"]
+    assert rm.stats().scored == 4 and rm.state_dict() == {"scored": 4, "errors": 0, "timeouts": 0}
 
 
 def test_a_classifier_with_more_than_one_label_is_refused(tmp_path):

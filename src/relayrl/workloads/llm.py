@@ -267,6 +267,7 @@ class LLMWorkload:
             "staleness": tally.staleness()
             | tally.lengths()
             | {"max_staleness": self.cfg.max_staleness, "min_lag": self.cfg.generator.min_lag},
+            "stages": {group.role: _stage_books(group) for group in self.scorers()},
             "samples": tally.books(
                 in_flight={"pipeline": loop["in_flight"]},
                 lost_unfinished=sum(f["unfinished"] for f in tally.failures),
@@ -296,3 +297,17 @@ class LLMWorkload:
                 say(f"warm start {steps}/{ws.max_steps} steps")
         ray.get(publish_weights(self.trainer, self.receivers()))
         return metrics | {"warm_start/steps": steps, "warm_start/probe_accuracy": probe}
+
+
+def _stage_books(group: Group) -> dict[str, float]:
+    """A scoring stage's counters summed over its replicas (a replaced replica's die with it):
+    samples scored, errors, timeouts, busy seconds, and the critic's optimizer steps."""
+    stats = ray.get([actor.stats.remote() for actor in group])
+    books = {
+        key: sum(getattr(s, key) for s in stats)
+        for key in ("scored", "errors", "timeouts", "busy_s", "updates", "skipped_nonfinite")
+    }
+    for s in stats:  # a stage of your own's counters
+        for key, value in s.counts.items():
+            books[key] = books.get(key, 0) + value
+    return books
