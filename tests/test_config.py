@@ -173,9 +173,10 @@ def test_section_given_a_scalar_is_rejected():
 
 
 def test_an_override_that_is_not_valid_yaml_says_how_to_quote_it():
+    dataset = ["task.name=dataset", "task.data=gsm8k"]
     with pytest.raises(ConfigError, match=r"task.template = '\{q\} A:': not a valid YAML value"):
-        load_config(None, ["task.template={q} A:"])
-    assert load_config(None, ["task.template='{q} A:'"]).task.template == "{q} A:"
+        load_config(None, [*dataset, "task.template={q} A:"])
+    assert load_config(None, [*dataset, "task.template='{q} A:'"]).task.template == "{q} A:"
 
 
 def test_negative_max_staleness_says_what_is_allowed():

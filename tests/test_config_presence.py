@@ -342,6 +342,15 @@ def test_a_presets_loss_options_apply_only_with_its_loss():
         (["trainer.kl_estimator=k1"], "trainer.kl_coef > 0"),
         (["log.wandb_mode=online"], "log.wandb_project"),
         (
+            ["trainer.lr_schedule=constant", "trainer.lr_final_ratio=0.5"],
+            "trainer.lr_schedule=cosine",
+        ),
+        (["task.prompt_field=question"], "task.name=dataset"),
+        (["rewarder.workers=4"], "rewarder.scorer=math or a module:function rule"),
+        ([*EMBODIED, "env.latency_sigma=0.5"], "env.latency=lognormal"),
+        ([*EMBODIED, "env.latency_mean_ms=5"], "env.latency other than none"),
+        ([*EMBODIED, "env.suite=libero_goal"], "env.name=libero"),
+        (
             [*EMBODIED, "imagination.episodes_per_real=1", "world_model.backend=deterministic"]
             + ["world_model.sigma_max=3"],
             "world_model.backend=diffusion",

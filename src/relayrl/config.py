@@ -1268,6 +1268,24 @@ SETTINGS: dict[str, tuple[str, Callable[[Config], bool]]] = {
     "trainer.kl_estimator": ("trainer.kl_coef > 0", lambda cfg: cfg.trainer.kl_coef > 0),
     "trainer.kl_in": ("trainer.kl_coef > 0", lambda cfg: cfg.trainer.kl_coef > 0),
     "log.wandb_mode": ("log.wandb_project", lambda cfg: cfg.log.wandb_project is not None),
+    "trainer.lr_final_ratio": (
+        "trainer.lr_schedule=cosine",
+        lambda cfg: cfg.trainer.lr_schedule == "cosine",
+    ),
+    **{
+        f"task.{name}": ("task.name=dataset", lambda cfg: cfg.task.name == "dataset")
+        for name in ("data", "prompt_field", "answer_field", "template")
+    },
+    **{
+        f"rewarder.{name}": (
+            "rewarder.scorer=math or a module:function rule",
+            lambda cfg: cfg.rewarder.scorer != "exact_answer",
+        )
+        for name in ("workers", "timeout_s", "memory_mb")
+    },
+    "env.latency_mean_ms": ("env.latency other than none", lambda cfg: cfg.env.latency != "none"),
+    "env.latency_sigma": ("env.latency=lognormal", lambda cfg: cfg.env.latency == "lognormal"),
+    "env.suite": ("env.name=libero", lambda cfg: cfg.env.name == "libero"),
     "world_model.failure_threshold": (
         "world_model.failure_head=true",
         lambda cfg: cfg.world_model is not None and cfg.world_model.failure_head,
