@@ -38,11 +38,11 @@ def test_shipped_configs_pass(path, monkeypatch):
             pytest.skip(f"{SHARED} not found: the benchmark data lives in ../shared/data")
         monkeypatch.setenv("RELAYRL_DATA_DIR", str(SHARED))
 
-    check(cfg)
+    assert check(cfg) is None  # no PreflightError
 
 
 def test_a_readable_file_the_tokenizer_encodes_passes(tmp_path):
-    check(dataset(write_jsonl(tmp_path / "ok.jsonl", GOOD)))
+    assert check(dataset(write_jsonl(tmp_path / "ok.jsonl", GOOD))) is None
 
 
 def test_missing_file_names_the_field_and_the_path(tmp_path):
@@ -206,4 +206,4 @@ def test_an_unloadable_tokenizer_directory_is_named(tmp_path):
 
 
 def test_embodied_runs_are_not_checked():
-    check(load_config(None, ["workload=embodied"]))
+    assert check(load_config(None, ["workload=embodied"])) is None  # it has no task to read
