@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import datetime
 import os
 import shlex
@@ -91,18 +92,11 @@ from relayrl.checkpoint import Checkpointer
 from relayrl.config import Config, load_config
 from relayrl.controller import run_async
 from relayrl.executors.trainer_core import PolicyCore
-from relayrl.launch import (
-    Group,
-    Placement,
-    WeightSync,
-    connect_weight_sync,
-    publish_weights,
-    start_ray,
-    stop,
-)
+from relayrl.launch import WeightSync, connect_weight_sync, publish_weights, start_ray
 from relayrl.observability.metrics import MetricsLog, RunTally
 from relayrl.observability.tracing import Span, Tracer, busy_seconds
 from relayrl.recovery import Recovery
+from relayrl.roles import Group, Placed, Role
 from relayrl.types import RolloutBatch, RolloutMeta, StepResult
 from relayrl.weight_sync import TRANSPORTS, Ticket, chunk_rows
 from relayrl.weight_sync.base import TrainerSide
@@ -320,43 +314,37 @@ class ScalingWorkload(LLMWorkload):
         self.token_s = token_s
         self.step_s = step_s
 
-    def place(self) -> None:
-        """Create the simulated trainer ranks, generator and rewarder replicas, placed as
-        ``LLMWorkload.place`` places the real ones (no process group: see the module doc)."""
+    def table(self) -> list[Role]:
+        """The LLM workload's first three roles with the simulated executors in place of the
+        real ones; replicas get plain numbers, not the Config: unpickling it would import
+        relayrl.config (and what it imports) into every one of up to 64 replica processes."""
         cfg = self.cfg
-        self.placement = Placement(cfg, self.roles())
-        # Replicas get plain numbers, not the Config: unpickling it would import relayrl.config
-        # (and what it imports) into every one of up to 64 replica processes.
-        at, ranks = self.placement.options, cfg.trainer.ranks
+        ranks = cfg.trainer.ranks
         shape = {
             k: getattr(cfg.generator, k)
             for k in ("prompts_per_step", "group_size", "max_new_tokens")
         }
-        self.trainer = Group(
-            "trainer",
-            [
-                ray.remote(SimTrainer)
-                .options(**at("trainer", r))
-                .remote(cfg, r, ranks, self.step_s)
-                for r in range(ranks)
-            ],
-        )
-        self.generators = Group(
-            "generator",
-            [
-                ray.remote(SimGenerator)
-                .options(**at("generator", i))
-                .remote(shape, self.token_s, cfg.sync.timeout_s)
-                for i in range(cfg.generator.replicas)
-            ],
-        )
-        self.rewarders = Group(
-            "rewarder",
-            [
-                ray.remote(StubRewarder).options(**at("rewarder", i)).remote()
-                for i in range(cfg.rewarder.replicas)
-            ],
-        )
+        real = {role.name: role for role in super().table()}
+        return [
+            dataclasses.replace(
+                real["trainer"],
+                cls=SimTrainer,
+                make=lambda r, _: ((cfg, r, ranks, self.step_s), {}),
+            ),
+            dataclasses.replace(
+                real["generator"],
+                cls=SimGenerator,
+                make=lambda i, _: ((shape, self.token_s, cfg.sync.timeout_s), {}),
+            ),
+            dataclasses.replace(
+                real["rewarder"], cls=StubRewarder, make=lambda i, _: ((), {}), close=None
+            ),
+        ]
+
+    def place(self) -> None:
+        """Place the simulated roles as ``LLMWorkload.place`` places the real ones (no process
+        group: see the module doc)."""
+        self.placed = Placed.place(self.cfg.placement, self.table())
 
     def prepare(self, log: MetricsLog) -> dict:
         """Publish version 0 to every replica (no warm start) and evaluate once."""
@@ -695,7 +683,7 @@ def run_point(args: argparse.Namespace, point: dict, tmp: Path, system: list[int
             )
             placing = time.time()
     finally:
-        stop(workload.groups(), workload.placement, workload.closing())
+        workload.placed.stop()
     return found
 
 
@@ -727,7 +715,7 @@ def run_loop(
     threads = thread_cpu()
     wall, main_cpu, main_thread = time.time(), time.process_time(), time.thread_time()
     try:
-        workload.recovery = Recovery(workload, sync, tally)
+        workload.recovery = Recovery(workload.placed, sync, tally)
         ckpt = Checkpointer(cfg, run_dir, workload, tally, log)
         loop = asyncio.run(
             asyncio.wait_for(run_async(cfg, workload, sync, tally, log, ckpt), deadline)

@@ -11,7 +11,8 @@ import torch
 from conftest import tiny_config
 from safetensors.torch import load_file
 
-from relayrl.launch import Placement, connect_weight_sync, publish_weights, stop
+from relayrl.launch import connect_weight_sync, publish_weights
+from relayrl.roles import Placement, Role
 from relayrl.workloads import LLMWorkload
 
 
@@ -62,7 +63,7 @@ def test_each_rank_sends_its_half_and_every_replica_serves_the_full_weights(
         assert sum(sent) == model and max(sent) < 0.6 * model
         assert all(s["lost"] == {} for s in stats)
     finally:
-        stop(w.groups(), w.placement, w.closing())
+        w.placed.stop()
 
 
 def test_with_a_pull_transport_a_replica_takes_only_the_newest_version_before_it_generates(
@@ -92,7 +93,10 @@ def test_with_a_pull_transport_a_replica_takes_only_the_newest_version_before_it
         assert summary["receives"] == {"generator_0": 1, "generator_1": 2, "generator_2": 1}
         assert summary["skipped"] == {"generator_0": 3, "generator_1": 2, "generator_2": 3}
     finally:
-        stop(w.groups(), w.placement, w.closing())
+        w.placed.stop()
+
+
+_COUNTS = {"trainer": 1, "generator": 10, "rewarder": 1}
 
 
 class _Probe:
@@ -105,8 +109,8 @@ class _Probe:
 def test_a_colocated_placement_of_many_actors_starts_every_one(ray_session):
     # Twelve 0.01-CPU shares summed as floats fell one Ray unit (1e-4) short of twelve actors.
     ray_session.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # for _Probe
-    cfg = tiny_config("generator.replicas=10")
-    placement = Placement(cfg, {"trainer": (1, {}), "generator": (10, {}), "rewarder": (1, {})})
+    table = [Role(name, _Probe, n, lambda i, k: ((), {})) for name, n in _COUNTS.items()]
+    placement = Placement("colocated", table)
     try:
         roles = [("trainer", 0), *(("generator", i) for i in range(10)), ("rewarder", 0)]
         actors = [ray.remote(_Probe).options(**placement.options(*r)).remote() for r in roles]

@@ -31,7 +31,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ),
     ("config",),  # validates against the registries of the layer below
     ("executors", "checkpoint_format"),
-    ("launch", "recovery", "checkpoint"),  # placement, replacement, the checkpointer
+    ("roles", "launch", "recovery", "checkpoint"),  # roles, weight sync, replacement, checkpointer
     ("workloads",),
     ("controller",),
     ("job", "pipeline", "evaluate", "evaluate_embodied", "preflight", "wm"),

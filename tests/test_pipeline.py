@@ -52,7 +52,7 @@ def test_the_workload_places_one_group_per_stage_with_its_replicas(tmp_path):
     cfg = _full_config(tmp_path)
     mine = Stage("mine", Mine, replicas=3, resources={"x": 1})
     workload = Pipeline(cfg, stages=[mine]).workload()
-    roles = workload.roles()
+    roles = {role.name: role for role in workload.table()}
     assert list(roles) == [
         "trainer",
         "generator",
@@ -62,7 +62,10 @@ def test_the_workload_places_one_group_per_stage_with_its_replicas(tmp_path):
         "reference",
         "critic",
     ]
-    assert roles["mine"] == (3, {"x": 1}) and roles["reward_model"][0] == 2
+    assert (roles["mine"].count, roles["mine"].resources) == (3, {"x": 1})
+    assert roles["reward_model"].count == 2 and roles["reward_model"].replaced
+    assert [name for name, role in roles.items() if role.renew] == ["reference", "critic"]
+    assert [name for name, role in roles.items() if role.receives] == ["generator"]
     assert [g.role for g in workload.scorers()] == list(roles)[2:]
     assert [g.role for g in workload._from_start()] == ["reference", "critic"]
     assert [g.role for g in LLMWorkload(tiny_config()).scorers()] == ["rewarder"]

@@ -91,7 +91,11 @@ class Checkpointer:
         """Write the checkpoint of the current step: trainer ranks write their own parts, every
         other executor's state and the controller's come through here. An executor that dies
         meanwhile skips this checkpoint (None): the next one is due ``checkpoint_every`` later.
-        ``imagined_in_flight``: as ``in_flight``, for imagined env steps (world model)."""
+        ``imagined_in_flight``: as ``in_flight``, for imagined env steps (world model).
+
+        The workload's ``settle`` runs before its (side-effect free) ``snapshot``, and its
+        ``realign`` with the parts written after the commit, so that the run goes on as a resume
+        from this checkpoint would."""
         from relayrl.observability.metrics import say
         from relayrl.observability.tracing import collect_spans
         from relayrl.recovery import DEATHS, first_line
@@ -108,8 +112,9 @@ class Checkpointer:
         staged = staging(self.run_dir, step)
         ranks = [rank.save_checkpoint.remote(str(staged)) for rank in w.trainer]
         try:
+            await w.settle()
             parts = await w.snapshot()
-            spans = collect_spans(w.traced(), self.tally.idle)
+            spans = collect_spans(w.placed.traced(), self.tally.idle)
             entries = await asyncio.gather(*ranks)
         except DEATHS as err:  # the loop replaces the executor, or stops if it was a rank
             await asyncio.gather(*ranks, return_exceptions=True)  # before their files go
@@ -123,6 +128,10 @@ class Checkpointer:
         path = commit(staged, step, entries, self.cfg.run.keep_checkpoints)
         self.written.append(path)
         say(f"checkpoint {path.name} written")
+        try:
+            await w.realign(parts)
+        except DEATHS as err:  # the loop replaces the dead executor when it next calls it
+            say(f"after checkpoint {path.name}: {first_line(err)}")
         return path
 
     @classmethod
@@ -174,7 +183,7 @@ class Checkpointer:
         w, path = self.workload, self.written[-1]
         ray.get([rank.load_checkpoint.remote(str(path)) for rank in w.trainer])
         w.restore(parts)
-        ray.get(publish_weights(w.trainer, w.receivers()))
+        ray.get(publish_weights(w.trainer, w.placed.receivers()))
 
     def load(self, path: Path) -> dict:
         """The executors' parts of the checkpoint at ``path`` (the controller's and the trainer

@@ -1,4 +1,4 @@
-"""The single controller's loops: the four ways a train step is fed, one per workload and mode.
+"""The single controller's loops: the four ways a train step is fed, one per loop family and mode.
 
 A loop drives role groups by name. LLM: generator replicas ``generate``, the scoring stages
 (``LLMWorkload.scorers()``: rewarders, then your stages, reward models, references and the critic
@@ -37,12 +37,12 @@ from relayrl.observability.metrics import MetricsLog, RunTally
 from relayrl.recovery import DEATHS, ExecutorFailed, Recovery, WorkerRuns, alive, first_line
 from relayrl.types import StepResult
 from relayrl.weight_sync import ReceiverLost
-from relayrl.workloads import EmbodiedWorkload, LLMWorkload
+from relayrl.workloads import BatchWorkload, SegmentWorkload
 
 
 async def run_sync(
     cfg: Config,
-    w: LLMWorkload,
+    w: BatchWorkload,
     sync: WeightSync,
     tally: RunTally,
     log: MetricsLog,
@@ -119,7 +119,7 @@ async def _scored(summary_refs: list) -> dict:
     return {key: sum(s.get(key, 0) for s in summaries) for key in ("busy_s", "errors", "timeouts")}
 
 
-async def _dead_stages(w: LLMWorkload, i: int) -> list[tuple[Group, int]]:
+async def _dead_stages(w: BatchWorkload, i: int) -> list[tuple[Group, int]]:
     """The scoring-stage replicas that chain ``i`` uses and that are dead."""
     stages = [(group, i % len(group)) for group in w.scorers()]
     return [(group, j) for group, j in stages if not await alive(group[j])]
@@ -151,7 +151,7 @@ async def _serving_newest(
 
 
 async def _recover_sync_step(
-    cfg: Config, w: LLMWorkload, recovery: Recovery, meta_refs: tuple, r: int, err: Exception
+    cfg: Config, w: BatchWorkload, recovery: Recovery, meta_refs: tuple, r: int, err: Exception
 ) -> None:
     """After a sync step failed: replace the generators and the rewarder that died (or the
     generator that missed ``sync.timeout_s``), and count the batches the live generators
@@ -182,7 +182,7 @@ async def _recover_sync_step(
 
 async def run_async(
     cfg: Config,
-    w: LLMWorkload,
+    w: BatchWorkload,
     sync: WeightSync,
     tally: RunTally,
     log: MetricsLog,
@@ -322,7 +322,7 @@ async def run_async(
 
 async def run_lockstep(
     cfg: Config,
-    w: EmbodiedWorkload,
+    w: SegmentWorkload,
     sync: WeightSync,
     tally: RunTally,
     log: MetricsLog,
@@ -358,7 +358,7 @@ async def run_lockstep(
 
 async def run_streaming(
     cfg: Config,
-    w: EmbodiedWorkload,
+    w: SegmentWorkload,
     sync: WeightSync,
     tally: RunTally,
     log: MetricsLog,
@@ -440,11 +440,12 @@ async def run_streaming(
     }
 
 
+# By (the workload's ``family``, ``mode``): a workload names the family that feeds it.
 LOOPS: dict[tuple[str, str], Callable[..., Awaitable[dict]]] = {
-    ("llm", "sync"): run_sync,
-    ("llm", "async"): run_async,
-    ("embodied", "sync"): run_lockstep,
-    ("embodied", "async"): run_streaming,
+    ("batches", "sync"): run_sync,
+    ("batches", "async"): run_async,
+    ("segments", "sync"): run_lockstep,
+    ("segments", "async"): run_streaming,
 }
 
 

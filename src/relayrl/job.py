@@ -1,10 +1,11 @@
 """A whole training job around one of the controller's loops: ``train``.
 
 It claims nothing itself (the CLI claims the run directory); it saves the config, starts or joins
-Ray, builds the workload and places it, connects weight sync, prepares the policy (or resumes
-from a run checkpoint), runs ``controller.LOOPS[workload, mode]``, and writes the final
-checkpoint, trace, learning curve, report and ``summary.json``. Failures and interrupts end as
-``failed`` / ``interrupted`` with what was counted, at any phase.
+Ray, builds the workload and places its role table, connects weight sync, prepares the policy (or
+resumes from a run checkpoint), runs ``controller.LOOPS[family, mode]`` (the loop family the
+workload feeds), and writes the final checkpoint, trace, learning curve, report and
+``summary.json``. Failures and interrupts end as ``failed`` / ``interrupted`` with what was
+counted, at any phase. It touches a workload only through ``relayrl.workloads.Workload``.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from relayrl.checkpoint import Checkpointer, merge_spans, resumes
 from relayrl.config import Config, save_config
 from relayrl.controller import LOOPS
 from relayrl.envs.embodied import EmbodiedEnv
-from relayrl.launch import connect_weight_sync, start_ray, stop, topology
+from relayrl.launch import connect_weight_sync, start_ray
 from relayrl.observability.metrics import EssWatch, MetricsLog, RunTally, say
 from relayrl.observability.plots import plot_learning_curve
 from relayrl.observability.report import write_report
@@ -76,11 +77,11 @@ def train(
         start_ray(cfg)
         say(f"placing executors ({cfg.placement})")
         workload.place()
-        placed = topology(workload.groups(), cfg.placement)
+        placed = workload.placed.topology()
         say(f"placed on {placed['nodes']} node(s); connecting weight sync")
-        sync = connect_weight_sync(cfg, workload.trainer, workload.receivers())
+        sync = connect_weight_sync(cfg, workload.trainer, workload.placed.receivers())
         # From here a dead replica is replaced, in the loops and in evaluations alike.
-        workload.recovery = Recovery(workload, sync, tally)
+        workload.recovery = Recovery(workload.placed, sync, tally)
         if parts is None:
             ckpt.context = {"sections": workload.prepare(log), "origin": started}
         else:
@@ -90,7 +91,8 @@ def train(
         tally.start()
         clock["rl_start"] = ckpt.rl_start = time.time()
         with ckpt.looping():
-            loop = asyncio.run(LOOPS[cfg.workload, cfg.mode](cfg, workload, sync, tally, log, ckpt))
+            run_loop = LOOPS[workload.family, cfg.mode]
+            loop = asyncio.run(run_loop(cfg, workload, sync, tally, log, ckpt))
         clock["rl_end"] = time.time()
         tally.close()
         rl_wall = ckpt.context.get("rl_wall_s", 0.0) + clock["rl_end"] - clock["rl_start"]
@@ -103,7 +105,7 @@ def train(
         )[0]
         sync_summary = sync.summary()
         trace_start = time.time()
-        spans = merge_spans(ckpt.spans, collect_spans(workload.traced(), tally.idle))
+        spans = merge_spans(ckpt.spans, collect_spans(workload.placed.traced(), tally.idle))
         trace_s = time.time() - trace_start
     except BaseException as err:
         tally.close()
@@ -123,14 +125,15 @@ def train(
         if isinstance(err, ExecutorFailed):
             partial["failed_executor"] = err.name
         elif is_death(err):
-            partial["failed_executor"] = dead_executor(err, workload.groups())
+            partial["failed_executor"] = dead_executor(err, workload.placed.all())
         if ckpt.written:
             partial["resume"] = f"relayrl train --resume {run_dir}"
             say(f"{status}; continue with: {partial['resume']}")
         _write_summary(run_dir, head | partial)
         window = (clock["rl_start"], time.time())
         with contextlib.suppress(Exception):  # best effort: the executors may be gone
-            save_trace(run_dir, collect_spans(workload.traced(), tally.idle), started, window, 0)
+            traced = workload.placed.traced()
+            save_trace(run_dir, collect_spans(traced, tally.idle), started, window, 0)
         if cfg.log.report:
             with contextlib.suppress(Exception):
                 write_report(run_dir)
@@ -138,7 +141,7 @@ def train(
     finally:
         log.close()
         if ray.is_initialized():
-            stop(workload.groups(), workload.placement, workload.closing())
+            workload.placed.stop()
     rl_start, rl_end = clock["rl_start"], clock["rl_end"]
     session_wall = rl_end - rl_start
     busy = {

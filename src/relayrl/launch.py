@@ -1,128 +1,27 @@
-"""Placement: start or join Ray, role groups and where their actors go, weight-sync wiring.
+"""Ray and weight sync: start or join Ray, and wire, publish and await the trainer's weights to
+its receivers (``WeightSync``).
 
-The workloads (``relayrl.workloads``) create their roles' actors through ``Placement`` and hand
-their groups back here to be wired and stopped. The embodied workload's environments are also
-built here (``ENVS``, ``build_env``), because a rollout worker actor gets a factory and builds
-(and after a crash rebuilds) its env itself.
+Where actors go and how a dead one is rebuilt is ``relayrl.roles`` (the role table).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import functools
 import os
 import signal
 import socket
 import threading
-from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 import ray
 from ray._private import services
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from relayrl.config import Config
 from relayrl.executors.worker_side import node_of
+from relayrl.roles import Group
 from relayrl.weight_sync import TRANSPORTS, ReceiverLost
-
-# Ray CPUs each actor reserves in its placement-group bundle: enough to make a bundle (Ray refuses
-# empty ones), small enough that many actors on a 2-CPU node leave room for every task. Executors
-# set their own torch thread counts.
-CPU_SHARE = 0.01
-
-
-@dataclass
-class Group:
-    """One role's actors: the N ranks of one process group (the trainer) or M independent
-    replicas. Call sites fan out visibly: ``group[i]`` is one member, ``for a in group`` all."""
-
-    role: str
-    actors: list[Any]
-
-    def __len__(self) -> int:
-        return len(self.actors)
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter(self.actors)
-
-    def __getitem__(self, index: int) -> Any:
-        return self.actors[index]
-
-    @property
-    def names(self) -> list[str]:
-        """One name per member: the role for a group of one, ``role_i`` otherwise."""
-        if len(self.actors) == 1:
-            return [self.role]
-        return [f"{self.role}_{i}" for i in range(len(self.actors))]
-
-    def named(self) -> dict[str, Any]:
-        """Members by name."""
-        return dict(zip(self.names, self.actors, strict=True))
-
-
-class Placement:
-    """Where actors go: Ray placement groups built from ``cfg.placement`` and each role's
-    ``resources``.
-
-    ``colocated`` puts every actor in one bundle of one placement group, so all roles share a
-    node. ``distributed`` gives every actor a bundle of its own with its role's resources, in one
-    SPREAD placement group, so roles land on the nodes that carry their resources.
-    """
-
-    def __init__(self, cfg: Config, roles: dict[str, tuple[int, dict[str, float]]]):
-        self.strategy = cfg.placement
-        self.index: dict[tuple[str, int], int] = {}
-        bundles: list[dict[str, float]] = []
-        for role, (count, resources) in roles.items():
-            for i in range(count):
-                if self.strategy == "colocated":
-                    if not bundles:
-                        bundles.append({})
-                    for key, amount in {"CPU": CPU_SHARE, **resources}.items():
-                        bundles[0][key] = bundles[0].get(key, 0.0) + amount
-                    self.index[role, i] = 0
-                else:
-                    self.index[role, i] = len(bundles)
-                    bundles.append({"CPU": CPU_SHARE, **resources})
-        # Ray keeps resource amounts to 1e-4 and rounds a bundle down: 12 float sums of 0.01
-        # would come out one unit short of the 12 actors that each ask for 0.01.
-        bundles = [{key: round(amount, 4) for key, amount in b.items()} for b in bundles]
-        self.resources = {role: resources for role, (_, resources) in roles.items()}
-        strategy = "STRICT_PACK" if self.strategy == "colocated" else "SPREAD"
-        self.group = placement_group(bundles, strategy=strategy)
-        try:
-            ray.get(self.group.ready(), timeout=PLACEMENT_TIMEOUT_S)
-        except ray.exceptions.GetTimeoutError:
-            remove_placement_group(self.group)
-            raise RuntimeError(
-                f"placement={self.strategy}: Ray could not place {len(bundles)} bundle(s) "
-                f"{bundles} within {PLACEMENT_TIMEOUT_S} s; check that the cluster's nodes carry "
-                "the resources each role asks for (ray status)"
-            ) from None
-
-    def options(self, role: str, i: int) -> dict[str, Any]:
-        """Ray actor options that put member ``i`` of ``role`` in its bundle."""
-        return {
-            "num_cpus": CPU_SHARE,
-            "resources": self.resources[role],
-            "max_restarts": 0,
-            "scheduling_strategy": PlacementGroupSchedulingStrategy(
-                self.group, placement_group_bundle_index=self.index[role, i]
-            ),
-        }
-
-    def close(self) -> None:
-        """Release the bundles (after the actors are killed)."""
-        remove_placement_group(self.group)
-
-
-PLACEMENT_TIMEOUT_S = 120
-# Start-up of the run's actors (torch import, model build): minutes on a loaded 2-core machine.
-ACTOR_START_TIMEOUT_S = 300
 
 
 class RayStartError(RuntimeError):
@@ -134,14 +33,6 @@ class RayStartError(RuntimeError):
 CONNECT_TIMEOUT_S = 5.0
 # A GCS call that takes no arguments and answers at once: proof that a Ray head listens.
 GCS_PING = "/ray.rpc.NodeInfoGcsService/GetClusterId"
-
-
-@functools.cache
-def remote_class(cls: type) -> Any:
-    """``ray.remote(cls)``, made once per class: Ray exports an actor class (pickled, its code
-    disassembled for a collision check) once per class object and job, so a fresh
-    ``ray.remote(cls)`` per actor re-exported it for every actor and every replacement."""
-    return ray.remote(cls)
 
 
 def start_ray(cfg: Config) -> None:
@@ -268,32 +159,6 @@ def pick_transport(requested: str, trainer_node: str, receiver_nodes: list[str])
             "they were placed on different nodes: use sync.transport=dist or auto"
         )
     return requested
-
-
-def topology(groups: Sequence[Group], placement: str) -> dict:
-    """summary.json's ``topology``: placement, and every actor's node, by role. It is the first
-    call every actor answers, so it waits up to ``ACTOR_START_TIMEOUT_S`` for all of them."""
-    refs = {g.role: [a.__ray_call__.remote(node_of) for a in g] for g in groups}
-    every = [r for found in refs.values() for r in found]
-    _, pending = ray.wait(every, num_returns=len(every), timeout=ACTOR_START_TIMEOUT_S)
-    if pending:
-        slow = sorted(role for role, found in refs.items() if set(found) & set(pending))
-        raise RuntimeError(
-            f"actors of {slow} did not start within {ACTOR_START_TIMEOUT_S} s (each imports "
-            "torch and builds its model first); check `ray status` and the machine's load"
-        )
-    nodes = {role: ray.get(r) for role, r in refs.items()}
-    return {
-        "placement": placement,
-        "nodes": len({node for found in nodes.values() for node, _ in found}),
-        "roles": {
-            g.role: [
-                {"name": name, "node": node, "ip": ip}
-                for name, (node, ip) in zip(g.names, nodes[g.role], strict=True)
-            ]
-            for g in groups
-        },
-    }
 
 
 @dataclass(eq=False)
@@ -528,36 +393,3 @@ def publish_weights(trainer: Group, receivers: dict[str, Any]) -> list[Any]:
     version. Returns the receivers' ``update_weights`` refs (each resolves to the version)."""
     tickets = [rank.publish.remote() for rank in trainer]
     return [r.update_weights.remote(*tickets) for r in receivers.values()]
-
-
-async def snapshot(groups: Sequence[Group]) -> dict[str, Any]:
-    """Every member's ``state_dict``, by executor name."""
-    named = {name: a for g in groups for name, a in g.named().items()}
-    states = await asyncio.gather(*(a.state_dict.remote() for a in named.values()))
-    return dict(zip(named, states, strict=True))
-
-
-def restore(groups: Sequence[Group], parts: dict[str, Any]) -> None:
-    """``load_state_dict`` every member from ``parts`` (what ``snapshot`` returned)."""
-    named = {name: a for g in groups for name, a in g.named().items()}
-    missing = sorted(named.keys() - parts.keys())
-    if missing:
-        raise ValueError(
-            f"the checkpoint has no state for {missing}; it holds {sorted(parts)} (was it written "
-            "with other replica counts?)"
-        )
-    ray.get([a.load_state_dict.remote(parts[name]) for name, a in named.items()])
-
-
-def stop(groups: Sequence[Group], placement: Placement | None, closing: Sequence[Any]) -> None:
-    """Kill the actors of a run (the Ray instance stays up for the next run) and free their
-    placement group, after waiting for the ``closing`` calls (object refs) to end: what a kill
-    would leave behind (shm files of the trainer ranks' publishers, scoring processes)."""
-    for ref in closing:
-        with contextlib.suppress(Exception):  # it may already be dead; the kill below still runs
-            ray.get(ref, timeout=30)
-    for g in groups:
-        for actor in g:
-            ray.kill(actor)
-    if placement is not None:
-        placement.close()

@@ -16,8 +16,9 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError
 
-from relayrl.launch import Group, WeightSync
+from relayrl.launch import WeightSync
 from relayrl.observability.metrics import RunTally, say
+from relayrl.roles import Group, Placed
 from relayrl.weight_sync import ReceiverLost
 
 DEATHS = (RayActorError,)  # what a call on a dead (killed, crashed, out of memory) actor raises
@@ -33,11 +34,12 @@ class ExecutorFailed(RuntimeError):
 
 
 class Recovery:
-    """Replaces dead executors of ``workload`` one at a time; every replacement and publish
-    that the loops make goes under ``lock``, so no publish lands between two publishers."""
+    """Replaces dead members of a placed role table one at a time, each by its role's
+    constructor (``Placed.recreate``); every replacement and publish that the loops make goes
+    under ``lock``, so no publish lands between two publishers."""
 
-    def __init__(self, workload: Any, sync: WeightSync, tally: RunTally):
-        self.workload = workload
+    def __init__(self, roles: Placed, sync: WeightSync, tally: RunTally):
+        self.roles = roles
         self.sync = sync
         self.tally = tally
         self.lock = asyncio.Lock()
@@ -106,10 +108,10 @@ class Recovery:
         name = group.names[index]
         incarnation = sum(f["name"] == name for f in self.tally.failures)
         group.actors[index] = await asyncio.to_thread(
-            self.workload.recreate, group.role, index, incarnation
+            self.roles.recreate, group.role, index, incarnation
         )
         if name in self.sync.receivers:
-            await self.sync.reconnect(self.workload.receivers())
+            await self.sync.reconnect(self.roles.receivers())
 
 
 def dead_executor(err: BaseException, groups: list[Group]) -> str | None:
@@ -238,5 +240,5 @@ class WorkerRuns:
             unfinished = await self.w.retire(i)
             await self.recovery.replace(self.w.workers, i, err, unfinished=unfinished)
             replaced = True
-        if not replaced and (name := dead_executor(err, self.w.groups())) is not None:
+        if not replaced and (name := dead_executor(err, self.w.placed.all())) is not None:
             raise ExecutorFailed(name, first_line(err)) from err

@@ -50,16 +50,7 @@ from relayrl.executors.worker_side import (
     set_worker_id,
 )
 from relayrl.executors.world_model_trainer import WorldModelTrainer
-from relayrl.launch import (
-    Group,
-    Placement,
-    connect_weight_sync,
-    form_trainer_group,
-    publish_weights,
-    remote_class,
-    restore,
-    snapshot,
-)
+from relayrl.launch import connect_weight_sync, form_trainer_group, publish_weights
 from relayrl.models.vla import VLAConfig, VLAPolicy, saved_vla_config, vla_config, vla_mismatch
 from relayrl.models.world_model import (
     ObsModelConfig,
@@ -73,6 +64,7 @@ from relayrl.models.world_model.serving import WorldModel, world_model_replies
 from relayrl.observability.books import Books
 from relayrl.observability.metrics import MetricsLog, RunTally, say
 from relayrl.recovery import DEATHS, ExecutorFailed, Recovery, alive, first_line
+from relayrl.roles import Group, Placed, Role, ray_resources
 from relayrl.types import Segment
 from relayrl.workloads.embodied_summary import EmbodiedStats, books, summary_sections
 
@@ -84,15 +76,13 @@ class EmbodiedWorkload:
     """Roles ``trainer`` (ranks), ``inference_service`` (replicas), ``replay_buffer``,
     ``rollout_worker`` and ``evaluator`` (rollout workers whose episodes are never trained on)."""
 
+    family = "segments"  # fed by controller.run_lockstep / run_streaming: act -> step -> train
+
     def __init__(self, cfg: Config, make_env: Callable[[int], EmbodiedEnv] | None = None):
         self.cfg = cfg
         # seed -> env; replaces the env that cfg.env describes
         self.make_env = make_env or functools.partial(build_env, cfg.env)
-        self.placement: Placement | None = None
-        self.trainer = Group("trainer", [])
-        self.services = Group("inference_service", [])
-        self.replay_buffer: Any = None
-        self.workers = Group("rollout_worker", [])
+        self.placed = Placed()  # the role table once placed
         # Books of rollout workers that died: worker id -> (env steps, steps dropped by env
         # errors) as of the last segment each closed; what they did after it died with them.
         self.retired: dict[int, tuple[int, int]] = {}
@@ -101,11 +91,6 @@ class EmbodiedWorkload:
         self.worker_ids: list[int] = []
         self.recovery: Recovery | None = None  # set once weight sync is connected
         self.run_dir = None  # set by relayrl.job.train
-        self.evaluators = Group("evaluator", [])
-        # Imagination (AcceRL-WM): empty unless imagination.episodes_per_real > 0.
-        self.wm_trainer = Group("world_model_trainer", [])
-        self.wm_services = Group("world_model_service", [])
-        self.imagined_buffer: Any = None
         self.wm_sync: Any = None
         self.wm_round: Any = None  # the world-model trainer's round in progress (a ref per rank)
         self.wm_version = 0  # the world-model version the replicas were last handed
@@ -113,12 +98,11 @@ class EmbodiedWorkload:
         self.legend = {"eval_label": f"evaluation success ({greedy})"}
 
     def place(self) -> None:
-        """Create every role's actors; rollout workers and evaluators are spread over the
+        """Place the role table (``table``); rollout workers and evaluators are spread over the
         inference replicas in turn.
 
         One env is built here first to learn its views, action space and tasks. Each worker gets
-        its own seed and a factory it rebuilds its env with after a crash. In an evaluator a whole
-        episode is one segment.
+        its own seed and a factory it rebuilds its env with after a crash.
         """
         cfg = self.cfg
         probe = self.make_env(cfg.run.seed)
@@ -149,108 +133,208 @@ class EmbodiedWorkload:
                 vocab=space.vocab,
             )
             check_saved_world_model(cfg.world_model.path, *wanted)
-        ranks, replicas = cfg.trainer.ranks, cfg.inference.replicas
-        roles = {
-            "trainer": (ranks, cfg.trainer.resources),
-            "replay_buffer": (1, cfg.trainer.resources),
-            "inference_service": (replicas, cfg.inference.resources),
-            "rollout_worker": (cfg.rollout.workers, cfg.rollout.resources),
-            "evaluator": (cfg.env.eval_workers, cfg.rollout.resources),
-        }
-        if self.imagining:
-            wm = cfg.world_model
-            roles |= {
-                "world_model_trainer": (wm.ranks, wm.resources),
-                "world_model_service": (wm.replicas, wm.resources),
-                "imagined_buffer": (1, cfg.trainer.resources),
-            }
-        self.placement = Placement(cfg, roles)
-        at = self.placement.options
-        self.trainer = Group(
-            "trainer",
-            [
-                remote_class(VLATrainer)
-                .options(**at("trainer", r))
-                .remote(cfg, vla, rank=r, world=ranks)
-                for r in range(ranks)
-            ],
-        )
         self.vla = vla
-        self.services = Group("inference_service", [self._service(i) for i in range(replicas)])
+        self.dims, self.vocab, self.views = space.dims, space.vocab, views
+        self.worker_ids = list(range(cfg.rollout.workers))
+        self.choice = TaskChoice(cfg, tasks)
+        self.placed = Placed.place(cfg.placement, self.table())
+        form_trainer_group(self.trainer)
+        if self.imagining:
+            self._wire_world_model()
+
+    def table(self) -> list[Role]:
+        """The role table (once ``place`` has probed the env): the trainer ranks, the inference
+        replicas (they receive the weights), the replay buffer, the rollout workers and the
+        evaluators, and with imagination the world-model trainer, its replicas (they receive its
+        weights) and ``B_img``. Inference replicas, workers and evaluators are replaced; a
+        replacement samples from seeds of its own, and a worker's gets an id of its own."""
+        cfg = self.cfg
+        ranks, replicas = cfg.trainer.ranks, cfg.inference.replicas
+        trainer = ray_resources(cfg.trainer.resources)
+        rollout = ray_resources(cfg.rollout.resources)
         # Threaded: a blocking get must not hold up the workers' puts, nor workers waiting for
         # room (one thread each) the get that makes room.
         waiting = cfg.rollout.workers if cfg.replay.wait_at is not None else 0
-        self.replay_buffer = (
-            remote_class(ReplayBuffer)
-            .options(max_concurrency=4 + waiting, **at("replay_buffer", 0))
-            .remote(
-                cfg.replay.capacity_steps,
-                max_staleness=cfg.max_staleness,
-                wait_at=cfg.replay.wait_at,
-            )
-        )
-        workers = range(cfg.rollout.workers)
-        self.worker_ids = list(workers)
-        self.workers = Group("rollout_worker", [self._worker("rollout_worker", i) for i in workers])
-        self.evaluators = Group(
-            "evaluator", [self._worker("evaluator", i) for i in range(cfg.env.eval_workers)]
-        )
-        self.choice = TaskChoice(cfg, tasks)
-        form_trainer_group(self.trainer)
-        if self.imagining:
-            self._place_world_model(views, space.dims, space.vocab)
+        worker_state = "counters, reset seeds, task sampler (not the episode in progress)"
+        rows = [
+            Role(
+                "trainer",
+                VLATrainer,
+                ranks,
+                lambda r, _: ((cfg, self.vla), {"rank": r, "world": ranks}),
+                **trainer,
+                keeps="model, optimizer, schedule, version, RNG (each rank writes its own part)",
+                saved="own_files",
+                traced=True,
+                close="close_sync",
+            ),
+            Role(
+                "inference_service",
+                InferenceService,
+                replicas,
+                self._service,
+                **ray_resources(cfg.inference.resources),
+                receives="trainer",
+                replaced=True,
+                keeps="sampling generator",
+                saved="state_dict",
+                traced=True,
+            ),
+            Role(
+                "replay_buffer",
+                ReplayBuffer,
+                1,
+                lambda i, k: (
+                    (cfg.replay.capacity_steps,),
+                    {"max_staleness": cfg.max_staleness, "wait_at": cfg.replay.wait_at},
+                ),
+                **trainer,
+                keeps="its segments and books",
+                saved="state_dict",
+                options={"max_concurrency": 4 + waiting},
+            ),
+            Role(
+                "rollout_worker",
+                RolloutWorker,
+                cfg.rollout.workers,
+                functools.partial(self._worker, "rollout_worker"),
+                **rollout,
+                replaced=True,
+                keeps=worker_state,
+                saved="state_dict",
+                options={"max_concurrency": 2},  # stop(), stats()
+                renew=self._renew_worker,
+            ),
+            Role(
+                "evaluator",
+                RolloutWorker,
+                cfg.env.eval_workers,
+                functools.partial(self._worker, "evaluator"),
+                **rollout,
+                replaced=True,
+                keeps=worker_state,
+                saved="state_dict",
+                options={"max_concurrency": 2},
+                renew=self._renew_evaluator,
+            ),
+        ]
+        return rows + (self._world_model_table() if self.imagining else [])
 
     @property
     def imagining(self) -> bool:
         """Whether the run imagines (``imagination.episodes_per_real > 0``)."""
         return self.cfg.imagination is not None
 
-    def _place_world_model(self, views: int, dims: int, vocab: int) -> None:
-        """The world-model trainer, its service replicas and ``B_img``; every rollout worker gets
-        its imagination (its replica, ``B_img``, ``B_wm``)."""
-        cfg, at = self.cfg, self.placement.options
-        wm = cfg.world_model
+    @property
+    def trainer(self) -> Group:
+        """The trainer ranks."""
+        return self.placed["trainer"]
+
+    @property
+    def services(self) -> Group:
+        """The inference replicas."""
+        return self.placed["inference_service"]
+
+    @property
+    def workers(self) -> Group:
+        """The rollout workers."""
+        return self.placed["rollout_worker"]
+
+    @property
+    def evaluators(self) -> Group:
+        """The evaluators: rollout workers whose episodes are never trained on."""
+        return self.placed["evaluator"]
+
+    @property
+    def wm_trainer(self) -> Group:
+        """The world-model trainer ranks (empty without imagination)."""
+        return self.placed["world_model_trainer"]
+
+    @property
+    def wm_services(self) -> Group:
+        """The world-model replicas (empty without imagination)."""
+        return self.placed["world_model_service"]
+
+    @property
+    def replay_buffer(self) -> Any:
+        """The replay buffer (None before placement)."""
+        found = self.placed["replay_buffer"]
+        return found[0] if len(found) else None
+
+    @property
+    def imagined_buffer(self) -> Any:
+        """``B_img`` (None without imagination)."""
+        found = self.placed["imagined_buffer"]
+        return found[0] if len(found) else None
+
+    def _world_model_table(self) -> list[Role]:
+        """The world-model trainer, its service replicas and ``B_img``: none is replaced (the
+        trainer holds ``B_wm``, which would be lost with it)."""
+        cfg, wm = self.cfg, self.cfg.world_model
         obs_cfg, reward_cfg = world_model_configs(
             wm,
             image_size=cfg.env.image_size,
             instruction_tokens=cfg.vla.instruction_tokens,
-            views=views,
-            dims=dims,
-            vocab=vocab,
+            views=self.views,
+            dims=self.dims,
+            vocab=self.vocab,
         )
-        self.wm_trainer = Group(
-            "world_model_trainer",
-            [
-                remote_class(WorldModelTrainer)
-                .options(max_concurrency=2, **at("world_model_trainer", r))
-                .remote(cfg, obs_cfg, reward_cfg, rank=r, world=wm.ranks)
-                for r in range(wm.ranks)
-            ],
-        )
+        resources = ray_resources(wm.resources)
+        return [
+            Role(
+                "world_model_trainer",
+                WorldModelTrainer,
+                wm.ranks,
+                lambda r, _: ((cfg, obs_cfg, reward_cfg), {"rank": r, "world": wm.ranks}),
+                **resources,
+                keeps="both models, optimizer, version, B_wm",
+                saved="state_dict",
+                traced=True,
+                close="close_sync",
+                options={"max_concurrency": 2},
+            ),
+            Role(
+                "world_model_service",
+                InferenceService,
+                wm.replicas,
+                lambda i, _: (
+                    (WorldModel(build_obs_model(obs_cfg), SuccessModel(reward_cfg)),),
+                    {
+                        "max_batch": wm.max_batch,
+                        "max_wait_ms": wm.max_wait_ms,
+                        "threads": cfg.ray.threads_per_executor,
+                        "sync_timeout_s": cfg.sync.timeout_s,
+                        "seed": cfg.run.seed + WM_SEED + i,
+                        "batch_fn": world_model_replies,
+                        "name": "world_model_service",
+                    },
+                ),
+                **resources,
+                receives="world_model_trainer",
+                keeps="sampling generator",
+                saved="state_dict",
+                traced=True,
+            ),
+            Role(
+                "imagined_buffer",
+                ReplayBuffer,
+                1,
+                lambda i, _: (
+                    (cfg.imagination.buffer_steps,),
+                    {"max_staleness": cfg.max_staleness},
+                ),
+                **ray_resources(cfg.trainer.resources),
+                keeps="its segments and books",
+                saved="state_dict",
+                options={"max_concurrency": 4},
+            ),
+        ]
+
+    def _wire_world_model(self) -> None:
+        """Form the world-model trainer's group and give every rollout worker its imagination
+        (``WorldModelEnv`` slots stepping through its replica, ``B_img``, ``B_wm``)."""
+        cfg = self.cfg
         form_trainer_group(self.wm_trainer)
-        self.wm_services = Group(
-            "world_model_service",
-            [
-                remote_class(InferenceService)
-                .options(**at("world_model_service", i))
-                .remote(
-                    WorldModel(build_obs_model(obs_cfg), SuccessModel(reward_cfg)),
-                    max_batch=wm.max_batch,
-                    max_wait_ms=wm.max_wait_ms,
-                    threads=cfg.ray.threads_per_executor,
-                    sync_timeout_s=cfg.sync.timeout_s,
-                    seed=cfg.run.seed + WM_SEED + i,
-                    batch_fn=world_model_replies,
-                    name="world_model_service",
-                )
-                for i in range(wm.replicas)
-            ],
-        )
-        self.imagined_buffer = (
-            remote_class(ReplayBuffer)
-            .options(max_concurrency=4, **at("imagined_buffer", 0))
-            .remote(cfg.imagination.buffer_steps, max_staleness=cfg.max_staleness)
-        )
         settings = ImaginationSettings.from_config(cfg)
         ray.get(
             [
@@ -267,62 +351,46 @@ class EmbodiedWorkload:
             ]
         )
 
-    def _service(self, i: int, incarnation: int = 0) -> Any:
-        """Inference replica ``i``; its initial weights are replaced by the trainer's before any
-        action. Its ``incarnation``-th replacement samples from seeds of its own."""
+    def _service(self, i: int, incarnation: int) -> tuple[tuple, dict[str, Any]]:
+        """Inference replica ``i``'s constructor arguments; its initial weights are replaced by
+        the trainer's before any action. Its ``incarnation``-th replacement samples from seeds of
+        its own."""
         cfg = self.cfg
-        return (
-            remote_class(InferenceService)
-            .options(**self.placement.options("inference_service", i))
-            .remote(
-                VLAPolicy(self.vla),
-                max_batch=cfg.inference.max_batch,
-                max_wait_ms=cfg.inference.max_wait_ms,
-                threads=cfg.ray.threads_per_executor,
-                sync_timeout_s=cfg.sync.timeout_s,
-                early_drain=cfg.experiment.early_drain,
-                seed=cfg.run.seed + SERVICE_SEED + i + incarnation * cfg.inference.replicas,
-            )
-        )
+        return (VLAPolicy(self.vla),), {
+            "max_batch": cfg.inference.max_batch,
+            "max_wait_ms": cfg.inference.max_wait_ms,
+            "threads": cfg.ray.threads_per_executor,
+            "sync_timeout_s": cfg.sync.timeout_s,
+            "early_drain": cfg.experiment.early_drain,
+            "seed": cfg.run.seed + SERVICE_SEED + i + incarnation * cfg.inference.replicas,
+        }
 
-    def _worker(self, role: str, i: int, incarnation: int = 0) -> Any:
-        """Rollout worker (or evaluator) ``i``, with its own seeds and worker id; its
-        ``incarnation``-th replacement gets an id and seeds of its own."""
+    def _worker(self, role: str, i: int, incarnation: int) -> tuple[tuple, dict[str, Any]]:
+        """Rollout worker (or evaluator) ``i``'s constructor arguments, with its own seeds and
+        worker id; its ``incarnation``-th replacement gets an id and seeds of its own. In an
+        evaluator a whole episode is one segment."""
         cfg = self.cfg
-        count = cfg.rollout.workers if role == "rollout_worker" else cfg.env.eval_workers
+        training = role == "rollout_worker"
+        count = cfg.rollout.workers if training else cfg.env.eval_workers
         worker_id = i + incarnation * count
-        seed = cfg.run.seed + (1 if role == "rollout_worker" else 10**6) + worker_id
-        return (
-            remote_class(RolloutWorker)
-            .options(max_concurrency=2, **self.placement.options(role, i))  # stop(), stats()
-            .remote(
-                worker_id,
-                functools.partial(self.make_env, seed + 1000),
-                segment_len=cfg.rollout.segment_len if role == "rollout_worker" else 10**9,
-                seed=seed,
-                envs=cfg.rollout.envs_per_worker if role == "rollout_worker" else 1,
-                task_sampler=TaskSampler(self.tasks, seed),
-                max_consecutive_errors=cfg.rollout.max_consecutive_errors,
-                env_threads=cfg.rollout.env_threads,
-            )
-        )
+        seed = cfg.run.seed + (1 if training else 10**6) + worker_id
+        return (worker_id, functools.partial(self.make_env, seed + 1000)), {
+            "segment_len": cfg.rollout.segment_len if training else 10**9,
+            "seed": seed,
+            "envs": cfg.rollout.envs_per_worker if training else 1,
+            "task_sampler": TaskSampler(self.tasks, seed),
+            "max_consecutive_errors": cfg.rollout.max_consecutive_errors,
+            "env_threads": cfg.rollout.env_threads,
+        }
 
-    def recreate(self, role: str, index: int, incarnation: int) -> Any:
-        """A new inference replica or rollout worker in the bundle of member ``index``."""
-        if role == "inference_service":
-            return self._service(index, incarnation)
-        if role == "rollout_worker":
-            worker = self._worker(role, index, incarnation)
-            self.worker_ids[index] = index + incarnation * self.cfg.rollout.workers
-            ray.get(worker.__ray_call__.remote(set_task_weights, self.choice.weights()))
-            return worker
-        if role == "evaluator":
-            worker = self._worker(role, index, incarnation)
-            ray.get(worker.__ray_call__.remote(set_task_weights, self._eval_weights()))
-            return worker
-        raise ValueError(
-            f"a {role} is not replaced: only inference replicas, rollout workers and evaluators are"
-        )
+    def _renew_worker(self, worker: Any, index: int, incarnation: int) -> None:
+        """A replaced rollout worker goes on under its new id, drawing tasks as the others do."""
+        self.worker_ids[index] = index + incarnation * self.cfg.rollout.workers
+        ray.get(worker.__ray_call__.remote(set_task_weights, self.choice.weights()))
+
+    def _renew_evaluator(self, worker: Any, index: int, incarnation: int) -> None:
+        """A replaced evaluator plays the evaluation tasks."""
+        ray.get(worker.__ray_call__.remote(set_task_weights, self._eval_weights()))
 
     def _eval_weights(self) -> list[float]:
         """The evaluators' task weights: ``env.eval_tasks`` only, or every task."""
@@ -383,59 +451,44 @@ class EmbodiedWorkload:
         return ServiceClient(self.service_of(worker))
 
     def groups(self) -> list[Group]:
-        """Every role group (the world-model ones are empty unless the run imagines)."""
-        buffer = Group("replay_buffer", [self.replay_buffer] if self.replay_buffer else [])
-        imagined = Group("imagined_buffer", [self.imagined_buffer] if self.imagined_buffer else [])
-        return [
-            self.trainer,
-            self.services,
-            buffer,
-            self.workers,
-            self.evaluators,
-            self.wm_trainer,
-            self.wm_services,
-            imagined,
-        ]
-
-    def traced(self) -> dict[str, Any]:
-        """Executors that record spans, by name: trainer ranks, inference replicas, and the
-        world-model trainer and replicas."""
-        named = self.trainer.named() | self.services.named()
-        return named | self.wm_trainer.named() | self.wm_services.named()
+        """Every role group, in table order."""
+        return self.placed.all()
 
     def receivers(self) -> dict[str, Any]:
         """Every inference replica receives the weights."""
-        return self.services.named()
-
-    def closing(self) -> list[Any]:
-        """Close the trainer ranks' (and the world-model trainer's) publishers."""
-        return [r.close_sync.remote() for r in [*self.trainer, *self.wm_trainer]]
+        return self.placed.receivers()
 
     async def snapshot(self) -> dict[str, Any]:
-        """For a run checkpoint: the state of the inference replicas (sampling generators), the
-        replay buffer (its segments), rollout workers and evaluators (counters, reset seeds, task
-        samplers) by executor name, and the task choice (DWR, curriculum).
-
-        A worker's state leaves out its episode in progress, so each worker is reloaded from its
-        own state here: the run goes on exactly as a resume from this checkpoint would, each
-        worker starting a fresh episode from the seed the checkpoint records.
-        """
-        await self.finish_world_model()  # the world-model trainer holds still while saved
-        parts = await snapshot(self._executors())
+        """For a run checkpoint: the state of every role the table saves through the controller
+        (inference and world-model replicas, buffers, workers, evaluators, the world-model
+        trainer) by executor name, the task choice (DWR, curriculum) and the dead workers'
+        books. It changes nothing: ``settle`` and ``realign`` go around it."""
+        parts = await self.placed.snapshot()
         parts["task_choice"] = self.choice.state_dict()
         parts["retired_workers"] = {
             "retired": dict(self.retired),
             "seen": dict(self.seen),
             "worker_ids": list(self.worker_ids),
         }
+        return parts
+
+    async def settle(self) -> None:
+        """Before a checkpoint: end the world-model round in progress, so the world-model
+        trainer holds still while it is saved."""
+        await self.finish_world_model()
+
+    async def realign(self, parts: dict[str, Any]) -> None:
+        """After a checkpoint: reload each worker and evaluator from the state ``parts`` holds
+        for it. That state leaves out the episode in progress, so the run goes on exactly as a
+        resume from this checkpoint would, each worker starting a fresh episode from the seed the
+        checkpoint records."""
         workers = self.workers.named() | self.evaluators.named()
         await asyncio.gather(*(w.load_state_dict.remote(parts[n]) for n, w in workers.items()))
         await asyncio.gather(*self._report_loaded(parts))
-        return parts
 
     def restore(self, parts: dict[str, Any]) -> None:
         """Load what ``snapshot`` saved."""
-        restore(self._executors(), parts)
+        self.placed.restore(parts)
         self.choice.load_state_dict(parts["task_choice"])
         self.retired = dict(parts["retired_workers"]["retired"])
         self.seen = dict(parts["retired_workers"]["seen"])
@@ -455,7 +508,8 @@ class EmbodiedWorkload:
         """Connect the world-model replicas to the trainer's rank 0 (the ranks hold the same
         weights whole) and serve the version it holds."""
         publisher = Group(self.wm_trainer.role, self.wm_trainer.actors[:1])
-        self.wm_sync = connect_weight_sync(self.cfg, publisher, self.wm_services.named())
+        receivers = self.placed.receivers("world_model_trainer")
+        self.wm_sync = connect_weight_sync(self.cfg, publisher, receivers)
         ray.get(list(self.wm_sync.publish().values()))
         self.wm_version = ray.get(self.wm_trainer[0].stats.remote()).version
 
@@ -480,9 +534,6 @@ class EmbodiedWorkload:
             return real, None
         imagined = await self.imagined_buffer.stats.remote()
         return real, imagined.unreceived(ranks, imagined=True)
-
-    def _executors(self) -> list[Group]:
-        return [g for g in self.groups() if g.role != "trainer"]
 
     def buffers(self) -> list[Any]:
         """The replay buffer, and ``B_img`` with imagination."""

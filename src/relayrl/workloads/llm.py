@@ -16,18 +16,11 @@ from relayrl.config import Config
 from relayrl.executors.generator import Generator
 from relayrl.executors.stages import Stage, config_stages
 from relayrl.executors.trainer import Trainer
-from relayrl.launch import (
-    Group,
-    Placement,
-    form_trainer_group,
-    publish_weights,
-    remote_class,
-    restore,
-    snapshot,
-)
+from relayrl.launch import form_trainer_group, publish_weights
 from relayrl.observability.books import Books
 from relayrl.observability.metrics import MetricsLog, RunTally, say
 from relayrl.recovery import DEATHS, Recovery, alive
+from relayrl.roles import Group, Placed, Role, ray_resources
 
 
 class LLMWorkload:
@@ -40,6 +33,8 @@ class LLMWorkload:
     before returned and returns ``(summary, batch)``; the loops pass every batch through them in
     order. Stages with ``start_policy`` (the reference, the critic) load the trainer's version 0,
     saved in the run directory (``start_policy/``) once the warm start is done."""
+
+    family = "batches"  # fed by controller.run_sync / run_async: generate -> score -> train
 
     def __init__(
         self,
@@ -63,80 +58,93 @@ class LLMWorkload:
                 f"{knob} + 1 = {bound + 1} batches be generated at once, so "
                 f"{replicas - bound - 1} replica(s) will wait; raise {knob} to use them"
             )
-        self.placement: Placement | None = None
-        self.trainer = Group("trainer", [])
-        self.generators = Group("generator", [])
-        self.stage_groups = {name: Group(name, []) for name in self.stage_specs}
+        self.placed = Placed()  # the role table once placed
         self.start_path: str | None = None  # the policy as RL started, once saved
         self.run_dir: Path | None = None  # set by relayrl.job.train
         self.legend: dict[str, str] = {}  # learning-curve labels: the plot's defaults
         self.recovery: Recovery | None = None  # set once weight sync is connected
 
+    def table(self) -> list[Role]:
+        """The role table: trainer ranks, generator replicas (they receive the weights and are
+        replaced; a replacement samples from seeds of its own), then one row per scoring stage
+        (replaced; a ``start_policy`` stage's replacement loads the start policy again, and a
+        critic starts learning again from it)."""
+        cfg = self.cfg
+        ranks, replicas = cfg.trainer.ranks, cfg.generator.replicas
+        rows = [
+            Role(
+                "trainer",
+                Trainer,
+                ranks,
+                lambda r, _: ((cfg,), {"rank": r, "world": ranks}),
+                **ray_resources(cfg.trainer.resources),
+                keeps="model, optimizer, schedule, version, RNG (each rank writes its own part)",
+                saved="own_files",
+                traced=True,
+                close="close_sync",
+            ),
+            Role(
+                "generator",
+                Generator,
+                replicas,
+                lambda i, k: ((cfg,), {"replica": i + k * replicas}),
+                **ray_resources(cfg.generator.resources),
+                receives="trainer",
+                replaced=True,
+                keeps="version, RNGs, unfinished completions, open groups",
+                saved="state_dict",
+                traced=True,
+            ),
+        ]
+        return rows + [self._stage_role(spec) for spec in self.stage_specs.values()]
+
+    def _stage_role(self, spec: Stage) -> Role:
+        """The role of one scoring stage's replicas."""
+
+        def renew(actor: Any, index: int, incarnation: int) -> None:
+            actor.load.remote(self.start_path)  # runs before any score call
+
+        return Role(
+            spec.name,
+            spec.cls,
+            spec.replicas,
+            lambda i, k: ((self.cfg, *spec.args), dict(spec.kwargs)),
+            **ray_resources(spec.resources),
+            replaced=True,
+            keeps="what its state_dict returns (counters; the critic its model and optimizer)",
+            saved="state_dict",
+            traced=True,
+            close="close" if callable(getattr(spec.cls, "close", None)) else None,
+            renew=renew if spec.start_policy else None,
+        )
+
+    @property
+    def trainer(self) -> Group:
+        """The trainer ranks."""
+        return self.placed["trainer"]
+
+    @property
+    def generators(self) -> Group:
+        """The generator replicas."""
+        return self.placed["generator"]
+
     @property
     def rewarders(self) -> Group:
         """The rewarder replicas: the first stage, which also scores evaluations."""
-        return self.stage_groups["rewarder"]
+        return self.placed["rewarder"]
 
     def place(self) -> None:
-        """Create the trainer ranks, the generator replicas and every stage's replicas, and form
-        the trainer's process group."""
-        cfg = self.cfg
-        self.placement = Placement(cfg, self.roles())
-        at, ranks = self.placement.options, cfg.trainer.ranks
-        self.trainer = Group(
-            "trainer",
-            [
-                remote_class(Trainer).options(**at("trainer", r)).remote(cfg, rank=r, world=ranks)
-                for r in range(ranks)
-            ],
-        )
-        self.generators = Group(
-            "generator",
-            [
-                remote_class(Generator).options(**at("generator", i)).remote(cfg, replica=i)
-                for i in range(cfg.generator.replicas)
-            ],
-        )
-        self.stage_groups = {
-            name: Group(name, [self._stage_actor(name, i) for i in range(spec.replicas)])
-            for name, spec in self.stage_specs.items()
-        }
+        """Place the role table and form the trainer's process group."""
+        self.placed = Placed.place(self.cfg.placement, self.table())
         form_trainer_group(self.trainer)
-
-    def recreate(self, role: str, index: int, incarnation: int) -> Any:
-        """A new generator or stage replica in the bundle of replica ``index``; the
-        ``incarnation``-th generator replacement samples from seeds of its own, and a
-        ``start_policy`` stage's replacement loads the start policy again (a critic starts
-        learning again from it)."""
-        if role == "generator":
-            replica = index + incarnation * self.cfg.generator.replicas
-            options = self.placement.options(role, index)
-            return remote_class(Generator).options(**options).remote(self.cfg, replica=replica)
-        if role not in self.stage_specs:
-            raise ValueError(
-                f"a {role} is not replaced: only generator and scoring-stage replicas are"
-            )
-        actor = self._stage_actor(role, index)
-        if self.stage_specs[role].start_policy:
-            actor.load.remote(self.start_path)  # runs before any score call
-        return actor
-
-    def roles(self) -> dict[str, tuple[int, dict[str, float]]]:
-        """Each role's actor count and the Ray resources each of its actors needs."""
-        cfg = self.cfg
-        roles = {
-            "trainer": (cfg.trainer.ranks, cfg.trainer.resources),
-            "generator": (cfg.generator.replicas, cfg.generator.resources),
-        }
-        return roles | {name: (s.replicas, s.resources) for name, s in self.stage_specs.items()}
 
     def groups(self) -> list[Group]:
         """Trainer ranks, generator replicas, then the scoring stages."""
-        return [self.trainer, self.generators, *self.scorers()]
+        return self.placed.all()
 
     def scorers(self) -> list[Group]:
         """The scoring stages' groups in the order a batch passes them."""
-        return list(self.stage_groups.values())
+        return [self.placed[name] for name in self.stage_specs]
 
     def _start_dir(self) -> Path:
         """Where the policy as RL started lives, for the reference and the critic:
@@ -147,32 +155,16 @@ class LLMWorkload:
 
     def _from_start(self) -> list[Group]:
         """The groups of the stages that load the policy as RL started."""
-        return [g for name, g in self.stage_groups.items() if self.stage_specs[name].start_policy]
-
-    def _stage_actor(self, name: str, index: int) -> Any:
-        """Replica ``index`` of the stage of your own called ``name``, in its bundle."""
-        spec = self.stage_specs[name]
-        options = self.placement.options(name, index)
-        return remote_class(spec.cls).options(**options).remote(self.cfg, *spec.args, **spec.kwargs)
-
-    def traced(self) -> dict[str, Any]:
-        """Executors that record spans, by name."""
-        return {name: a for g in self.groups() for name, a in g.named().items()}
+        return [self.placed[n] for n, spec in self.stage_specs.items() if spec.start_policy]
 
     def receivers(self) -> dict[str, Any]:
         """Every generator replica receives the weights."""
-        return self.generators.named()
-
-    def closing(self) -> list[Any]:
-        """Close the trainer ranks' publishers and the rewarders' scoring processes."""
-        return [r.close_sync.remote() for r in self.trainer] + [
-            r.close.remote() for r in self.rewarders
-        ]
+        return self.placed.receivers()
 
     async def snapshot(self) -> dict[str, Any]:
-        """For a run checkpoint: every generator's and rewarder's state (unfinished partial
+        """For a run checkpoint: every generator's and scoring stage's state (unfinished partial
         rollouts, samplers and random state included), by executor name."""
-        return await snapshot([self.generators, *self.scorers()])
+        return await self.placed.snapshot()
 
     def restore(self, parts: dict[str, Any]) -> None:
         """Load what ``snapshot`` saved into the generators and scoring stages (the reference and
@@ -182,7 +174,13 @@ class LLMWorkload:
             self.start_path = str(self._start_dir())
             for name in [n for group in self._from_start() for n in group.names]:
                 parts[name] = parts[name] | {"path": self.start_path}
-        restore([self.generators, *self.scorers()], parts)
+        self.placed.restore(parts)
+
+    async def settle(self) -> None:
+        """Before a checkpoint: nothing to bring to rest (the loop is between two steps)."""
+
+    async def realign(self, parts: dict[str, Any]) -> None:
+        """After a checkpoint: nothing to do (a generator's state holds its partial rollouts)."""
 
     def prepare(self, log: MetricsLog) -> dict:
         """Warm start (publishing version 0 to every replica), give the reference and the critic
