@@ -193,6 +193,13 @@ def test_negative_max_staleness_in_the_file(tmp_path):
     assert config_error(path).startswith("max_staleness = -3: ")
 
 
+@pytest.mark.parametrize("workload", ["robot", "[llm]", "null"])
+def test_an_unknown_workload_lists_the_workloads(workload):
+    message = config_error(None, [f"workload={workload}"])
+    assert message.startswith("workload = ")
+    assert message.endswith(": Input should be 'llm' or 'embodied'")
+
+
 def test_unknown_mode_lists_the_modes():
     message = config_error(None, ["mode=fast"])
 

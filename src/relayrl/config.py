@@ -1591,7 +1591,7 @@ def parse_config(tree: dict[str, Any], *, world_model: bool = False) -> Config:
     """The LLMConfig or EmbodiedConfig a mapping describes, by its ``workload`` (llm when unset);
     ConfigError naming the first problem. ``world_model``: as for ``load_config``."""
     tree = {"workload": "llm", **tree}
-    if tree["workload"] not in CONFIGS:
+    if not isinstance(tree["workload"], str) or tree["workload"] not in CONFIGS:
         allowed = " or ".join(repr(name) for name in CONFIGS)
         raise ConfigError(f"workload = {tree['workload']!r}: Input should be {allowed}")
     try:
