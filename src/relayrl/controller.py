@@ -30,8 +30,8 @@ import ray
 from relayrl.channels.local import Channel
 from relayrl.checkpoint import Checkpointer
 from relayrl.config import Config
-from relayrl.executors.replay_buffer import ReplayBufferClosed
-from relayrl.executors.worker_side import BufferSink
+from relayrl.executors.rollout_worker import Collected
+from relayrl.executors.worker_side import BufferSink, ServiceClient
 from relayrl.launch import Group, WeightSync
 from relayrl.observability.metrics import MetricsLog, RunTally
 from relayrl.recovery import DEATHS, ExecutorFailed, Recovery, WorkerRuns, alive, first_line
@@ -207,34 +207,66 @@ async def run_async(
     pipeline). A step that takes no optimizer step leaves the version where it is, and the K
     batches after it are one version younger.
     """
-    idle = tally.idle
-    trainer_name = w.trainer.names[0]
-    generated: Channel = Channel(cfg.channels.capacity, "generated")
-    scored: Channel = Channel(cfg.channels.capacity, "scored", consumer=idle[trainer_name])
-    published = asyncio.Condition()
-    started = {"batches": tally.steps}  # a resumed run has nothing in flight
-    held: dict[str, int] = {}  # samples a loop holds between two channels, by loop
-    pending = dict.fromkeys(w.generators.names, 0)  # unfinished completions each replica holds
-    lag = cfg.generator.min_lag
-    bound = lag if lag else cfg.max_staleness  # the gate admits bound + 1 untrained batches
+    pipeline = _Pipeline(cfg, w, sync, tally)
+    workers = pipeline.start()
+    try:
+        while tally.steps < cfg.steps:
+            _, scored_ref = await _first_or_raise(pipeline.scored.get(), workers)
+            if pipeline.lag:
+                await pipeline.lagged(workers)
+            result = await _train_step(w.trainer, scored_ref)
+            if result.stepped:
+                async with w.recovery.lock:
+                    sync.publish(fan_out=not sync.skips_versions)
+            await _log_step(cfg, tally, log, result, pipeline.evaluate)
+            await pipeline.trained()
+            await ckpt.maybe(in_flight=pipeline.in_flight())
+    finally:
+        for task in workers:
+            task.cancel()
+        await asyncio.gather(*workers, return_exceptions=True)
+    sync.refresh(*w.generators.names)  # what runs on the replicas next sees the last version
+    await _serving_newest(sync, w.generators, w.recovery, pipeline.pending)
+    return {"in_flight": pipeline.close()}
 
-    recovery = w.recovery
-    batch = cfg.generator.prompts_per_step * cfg.generator.group_size
 
-    async def rollout_loop(i: int, name: str) -> None:
-        def may_start() -> bool:
-            return tally.steps >= started["batches"] - bound
+class _Pipeline:
+    """What the async loop's rollout and scoring loops share: the channels between them, the
+    staleness gate (batches started against train steps taken) and the books of what each loop
+    holds."""
 
+    def __init__(self, cfg: Config, w: BatchWorkload, sync: WeightSync, tally: RunTally):
+        self.w, self.sync, self.tally = w, sync, tally
+        idle = tally.idle
+        self.generated: Channel = Channel(cfg.channels.capacity, "generated")
+        self.scored: Channel = Channel(
+            cfg.channels.capacity, "scored", consumer=idle[w.trainer.names[0]]
+        )
+        self.published = asyncio.Condition()
+        self.started = tally.steps  # batches started; a resumed run has nothing in flight
+        self.held: dict[str, int] = {}  # samples a loop holds between two channels, by loop
+        self.pending = dict.fromkeys(w.generators.names, 0)  # unfinished completions per replica
+        self.lag = cfg.generator.min_lag
+        self.bound = self.lag if self.lag else cfg.max_staleness  # admits bound + 1 batches
+        self.batch = cfg.generator.prompts_per_step * cfg.generator.group_size
+
+    def start(self) -> list[asyncio.Task]:
+        """One rollout loop per generator replica, one scoring loop per rewarder replica."""
+        loops = [self.rollout_loop(i, n) for i, n in enumerate(self.w.generators.names)]
+        loops += [self.score_loop(i, n) for i, n in enumerate(self.w.rewarders.names)]
+        return [asyncio.create_task(loop) for loop in loops]
+
+    async def rollout_loop(self, i: int, name: str) -> None:
+        """Generator replica ``i``: pass the gate, take the newest weights, generate, hand the
+        batch to the scoring loops; a replica that dies or misses its update is replaced."""
+        w, sync, idle = self.w, self.sync, self.tally.idle[name]
         while True:
             start = time.time()
-            async with published:
-                await published.wait_for(may_start)
-                started["batches"] += 1
-                published.notify_all()  # min_lag: the batch this start releases may train
-            idle[name].wait("staleness gate", start, time.time())
+            await self._admit()
+            idle.wait("staleness gate", start, time.time())
             generator = w.generators[i]
             try:
-                async with recovery.lock:  # pull: the newest weights, before this generate
+                async with w.recovery.lock:  # pull: the newest weights, before this generate
                     sync.refresh(name)
                 meta_ref, batch_ref = generator.generate.options(num_returns=2).remote()
                 # Ray runs the update handed to it first: awaited with the batch, and one that
@@ -242,82 +274,93 @@ async def run_async(
                 meta = await sync.watched(name, meta_ref)
             except (*DEATHS, ReceiverLost) as err:
                 # Its batch in progress and its partial rollouts die with it.
-                started["batches"] -= 1
-                left = pending[name] + batch
-                await recovery.replace(w.generators, i, err, unfinished=left, dead=generator)
-                pending[name] = 0
+                self.started -= 1
+                left = self.pending[name] + self.batch
+                await w.recovery.replace(w.generators, i, err, unfinished=left, dead=generator)
+                self.pending[name] = 0
                 continue
-            pending[name] = meta.pending
-            tally.on_generated(meta.samples, meta.busy_s)
+            self.pending[name] = meta.pending
+            self.tally.on_generated(meta.samples, meta.busy_s)
             if not meta.samples:  # partial rollouts: no group finished in this call
-                started["batches"] -= 1
+                self.started -= 1
                 continue
-            held[name] = meta.samples
-            await generated.put((meta.samples, batch_ref), idle[name])
-            held[name] = 0
+            self.held[name] = meta.samples
+            await self.generated.put((meta.samples, batch_ref), idle)
+            self.held[name] = 0
 
-    async def score_loop(i: int, name: str) -> None:
+    async def score_loop(self, i: int, name: str) -> None:
+        """Rewarder replica ``i`` (and replica ``i`` of every later stage): score the batches
+        generated, hand them to the trainer; a batch whose stage dies is lost with it."""
+        idle = self.tally.idle[name]
         while True:
-            samples, batch_ref = await generated.get(idle[name])
-            held[name] = samples
-            used = [(group, i % len(group), group[i % len(group)]) for group in w.scorers()]
-            summary_refs, scored_ref = _score_chain(w.scorers(), i, (batch_ref,))
+            samples, batch_ref = await self.generated.get(idle)
+            self.held[name] = samples
+            used = [(g, i % len(g), g[i % len(g)]) for g in self.w.scorers()]
+            summary_refs, scored_ref = _score_chain(self.w.scorers(), i, (batch_ref,))
             try:
                 score = await _scored(summary_refs)
             except DEATHS as err:  # the batch being scored dies with the stage that held it
-                held[name] = 0
-                dead = [(g, j, actor) for g, j, actor in used if not await alive(actor)]
-                if not dead:
-                    raise
-                for k, (group, j, actor) in enumerate(dead):
-                    lost = samples if k == 0 else 0
-                    await recovery.replace(group, j, err, lost=lost, dead=actor)
-                # It never reaches the trainer: the gate lets another batch start in its place
-                # (without this, max_staleness + 1 lost batches would close it for good).
-                async with published:
-                    started["batches"] -= 1
-                    published.notify_all()
+                self.held[name] = 0
+                await self._lost(used, samples, err)
                 continue
-            tally.on_scored(score["busy_s"], score["errors"], score["timeouts"])
-            await scored.put((samples, scored_ref), idle[name])
-            held[name] = 0
+            self.tally.on_scored(score["busy_s"], score["errors"], score["timeouts"])
+            await self.scored.put((samples, scored_ref), idle)
+            self.held[name] = 0
 
-    async def evaluate() -> dict:  # a replica runs its calls in order: after the newest weights
-        async with recovery.lock:
-            sync.refresh(*w.generators.names)
-        return await w.evaluate()
+    async def _admit(self) -> None:
+        """Wait until batch ``started`` may start: the trainer has consumed batch ``started -
+        bound``."""
+        async with self.published:
+            await self.published.wait_for(lambda: self.tally.steps >= self.started - self.bound)
+            self.started += 1
+            self.published.notify_all()  # min_lag: the batch this start releases may train
 
-    async def lagged() -> None:  # min_lag: the next batch waits until K younger ones started
-        async with published:
-            await published.wait_for(lambda: started["batches"] > tally.steps + lag)
+    async def _lost(self, used: list, samples: int, err: BaseException) -> None:
+        """Replace the dead stages of ``used`` (group, index, actor); the batch of ``samples``
+        they held is lost."""
+        dead = [(g, j, actor) for g, j, actor in used if not await alive(actor)]
+        if not dead:
+            raise err
+        for k, (group, j, actor) in enumerate(dead):
+            await self.w.recovery.replace(group, j, err, lost=samples if k == 0 else 0, dead=actor)
+        # It never reaches the trainer: the gate lets another batch start in its place (without
+        # this, max_staleness + 1 lost batches would close it for good).
+        async with self.published:
+            self.started -= 1
+            self.published.notify_all()
 
-    loops = [rollout_loop(i, n) for i, n in enumerate(w.generators.names)]
-    loops += [score_loop(i, n) for i, n in enumerate(w.rewarders.names)]
-    workers = [asyncio.create_task(loop) for loop in loops]
-    try:
-        while tally.steps < cfg.steps:
-            _, scored_ref = await _first_or_raise(scored.get(), workers)
-            if lag:
-                start = time.time()
-                await _first_or_raise(lagged(), workers)
-                idle[trainer_name].wait("min_lag", start, time.time())
-            result = await _train_step(w.trainer, scored_ref)
-            if result.stepped:
-                async with recovery.lock:
-                    sync.publish(fan_out=not sync.skips_versions)
-            await _log_step(cfg, tally, log, result, evaluate)
-            async with published:
-                published.notify_all()
-            queued = generated.peek() + scored.peek()
-            await ckpt.maybe(in_flight=sum(held.values()) + sum(n for n, _ in queued))
-    finally:
-        for task in workers:
-            task.cancel()
-        await asyncio.gather(*workers, return_exceptions=True)
-    sync.refresh(*w.generators.names)  # what runs on the replicas next sees the last version
-    await _serving_newest(sync, w.generators, recovery, pending)
-    left = generated.close() + scored.close()
-    return {"in_flight": sum(held.values()) + sum(samples for samples, _ in left)}
+    async def lagged(self, workers: list[asyncio.Task]) -> None:
+        """min_lag: wait until K batches younger than the next one have started."""
+
+        async def started() -> None:
+            async with self.published:
+                await self.published.wait_for(lambda: self.started > self.tally.steps + self.lag)
+
+        start = time.time()
+        await _first_or_raise(started(), workers)
+        self.tally.idle[self.w.trainer.names[0]].wait("min_lag", start, time.time())
+
+    async def trained(self) -> None:
+        """A train step ended: the gate may admit another batch."""
+        async with self.published:
+            self.published.notify_all()
+
+    async def evaluate(self) -> dict:
+        """The workload's evaluation, after every replica was handed the newest weights (a
+        replica runs its calls in order)."""
+        async with self.w.recovery.lock:
+            self.sync.refresh(*self.w.generators.names)
+        return await self.w.evaluate()
+
+    def in_flight(self) -> int:
+        """Samples the loops and channels hold now."""
+        queued = self.generated.peek() + self.scored.peek()
+        return sum(self.held.values()) + sum(n for n, _ in queued)
+
+    def close(self) -> int:
+        """Close the channels; the samples generated and never trained."""
+        left = self.generated.close() + self.scored.close()
+        return sum(self.held.values()) + sum(samples for samples, _ in left)
 
 
 async def run_lockstep(
@@ -330,30 +373,51 @@ async def run_lockstep(
 ) -> dict:
     """Embodied sync: collect in lockstep, train, publish, one after the other; no overlap.
 
-    A round steps every worker with one batched forward pass per inference replica until each
-    has closed one segment (L steps or the end of its episode); rounds repeat until the
-    super-batch holds ``replay.batch_steps`` env steps. No segment is left open between rounds,
-    so every step trained was chosen by the current weights: every lag is 0.
+    A round asks every worker to ``collect`` one segment (L steps or the end of its episode),
+    stepping its env against its inference replica; each request is sampled from a seed of the
+    worker's (a forward pass of its own), so a run and its resume take the same actions however
+    the requests interleave. Rounds repeat until the super-batch holds ``replay.batch_steps``
+    env steps. The segments
+    stay where the workers put them: the trainer ranks take their references. No segment is
+    left open between rounds and the replicas' updates are awaited before the next, so every
+    step trained was chosen by the current weights: every lag is 0.
     """
-    recovery = w.recovery
     while tally.steps < cfg.steps:
-        start, segments = time.time(), []
-        while sum(len(s) for s in segments) < cfg.replay.batch_steps:
-            try:
-                await w.lockstep(w.workers, [1] * len(w.workers), into=segments, books=w.stepped)
-            except DEATHS as err:
-                w.note(segments)  # the books the dead worker's last segments carry
-                await w.revive(recovery, err)
-        w.note(segments)
-        tally.on_generated(sum(len(s) for s in segments), time.time() - start)
-        result = await _train_step(w.trainer, ray.put(segments))
-        async with recovery.lock:
+        start = time.time()
+        collected = await _collect(cfg, w)
+        tally.on_generated(sum(c.steps for c, _ in collected), time.time() - start)
+        result = await _train_step(w.trainer, *(segments for _, segments in collected))
+        async with w.recovery.lock:
             sync.publish()
-        await _serving_newest(sync, w.services, recovery)
+        await _serving_newest(sync, w.services, w.recovery)
         result.metrics |= await w.episode_feedback(tally.steps + 1)
         await _log_step(cfg, tally, log, result, w.evaluate)
         await ckpt.maybe()
     return {"prefetched": 0, "occupancy": []}
+
+
+async def _collect(cfg: Config, w: SegmentWorkload) -> list[tuple[Collected, Any]]:
+    """Rounds of one segment per rollout worker until they hold ``replay.batch_steps`` env
+    steps: each worker's ``Collected`` and its segments' reference. A round that meets a dead
+    worker or replica keeps what the others collected and replaces the dead (the segments the
+    dead worker was filling die with it, uncounted: ``EmbodiedWorkload.retire``)."""
+    collected: list[tuple[Collected, Any]] = []
+    while sum(c.steps for c, _ in collected) < cfg.replay.batch_steps:
+        calls = [
+            worker.collect.options(num_returns=2).remote(ServiceClient(w.service_of(i)))
+            for i, worker in enumerate(w.workers)
+        ]
+        found = await asyncio.gather(*(meta for meta, _ in calls), return_exceptions=True)
+        done = [(c, ref) for c, (_, ref) in zip(found, calls, strict=True) if _ok(c)]
+        w.note([c for c, _ in done])
+        collected += done
+        if failed := [err for err in found if not _ok(err)]:
+            await w.revive(w.recovery, failed[0])
+    return collected
+
+
+def _ok(found: Any) -> bool:
+    return not isinstance(found, BaseException)
 
 
 async def run_streaming(
@@ -384,18 +448,7 @@ async def run_streaming(
     batch_refs = w.fetch(version)  # the real part, and with imagination the imagined one
     while tally.steps < cfg.steps:
         start = time.time()
-        # Wait for the super-batch without pulling it here; the trainer ranks take it directly.
-        ready = asyncio.to_thread(
-            ray.wait, batch_refs, num_returns=len(batch_refs), fetch_local=False
-        )
-        try:
-            await _first_or_raise(ready, [runs.watch])
-        except BaseException:
-            # The fetch goes on waiting, in a thread asyncio.run waits for at exit, for segments
-            # no worker will put now: closing the buffers ends it.
-            with contextlib.suppress(Exception):
-                await asyncio.gather(*(b.close.remote() for b in w.buffers()))
-            raise
+        await _fetched(w, batch_refs, runs)
         trainer_idle.wait("replay", start, time.time())
         segments_refs = batch_refs
         # Trained after the step now starting, by a trainer one version on: fetched for that one,
@@ -408,12 +461,7 @@ async def run_streaming(
                 sync.publish()
         result.metrics |= await w.after_step(tally.steps + 1)
         result.metrics |= await w.episode_feedback(tally.steps + 1)
-        buffer = await w.replay_buffer.stats.remote()
-        occupancy.append(buffer.occupancy)
-        result.metrics["replay/occupancy"] = occupancy[-1]
-        # Real env steps of the segments the workers have finished: the x axis of learning per
-        # env interaction (the trained total leaves out what a run with imagination never trains).
-        result.metrics["samples/real_put_total"] = float(buffer.put_steps)
+        result.metrics |= await _buffer_metrics(w, occupancy)
         await _log_step(cfg, tally, log, result, w.evaluate)
         if ckpt.due():
             # With the workers stopped the buffer holds still, and the fetch ahead has taken its
@@ -426,18 +474,39 @@ async def run_streaming(
     await runs.stop()
     await _serving_newest(sync, w.services, w.recovery)
     await w.finish_world_model()
-    # No more puts: closing the buffers ends the fetches still waiting, so what they took is
-    # exact.
+    real, imagined = await _closed(w, batch_refs)
+    return {"prefetched": real, "prefetched_imagined": imagined or 0, "occupancy": occupancy}
+
+
+async def _fetched(w: SegmentWorkload, batch_refs: list, runs: WorkerRuns) -> None:
+    """Wait until the super-batch's parts are fetched, without pulling them here (the trainer
+    ranks take them directly); re-raise at once if the workers' runs fail."""
+    ready = asyncio.to_thread(ray.wait, batch_refs, num_returns=len(batch_refs), fetch_local=False)
+    try:
+        await _first_or_raise(ready, [runs.watch])
+    except BaseException:
+        # The fetch goes on waiting, in a thread asyncio.run waits for at exit, for segments no
+        # worker will put now: closing the buffers ends it.
+        with contextlib.suppress(Exception):
+            await asyncio.gather(*(b.close.remote() for b in w.buffers()))
+        raise
+
+
+async def _buffer_metrics(w: SegmentWorkload, occupancy: list[float]) -> dict[str, float]:
+    """The replay buffer's occupancy (appended to ``occupancy``) and the real env steps of the
+    segments the workers have finished: the x axis of learning per env interaction (the trained
+    total leaves out what a run with imagination never trains)."""
+    buffer = await w.replay_buffer.stats.remote()
+    occupancy.append(buffer.occupancy)
+    return {"replay/occupancy": buffer.occupancy, "samples/real_put_total": float(buffer.put_steps)}
+
+
+async def _closed(w: SegmentWorkload, batch_refs: list) -> tuple[int, int | None]:
+    """Close the buffers (no worker puts now) and end the fetches still waiting (a closed one
+    takes nothing); the real and imagined env steps fetched that no trainer rank received."""
     await asyncio.gather(*(b.close.remote() for b in w.buffers()))
-    fetched: list = []
-    for ref in batch_refs:
-        with contextlib.suppress(ReplayBufferClosed):
-            fetched += await ref
-    return {
-        "prefetched": sum(len(s) for s in fetched if not s.imagined),
-        "prefetched_imagined": sum(len(s) for s in fetched if s.imagined),
-        "occupancy": occupancy,
-    }
+    await asyncio.to_thread(ray.wait, batch_refs, num_returns=len(batch_refs), fetch_local=False)
+    return await w.prefetched()
 
 
 # By (the workload's ``family``, ``mode``): a workload names the family that feeds it.

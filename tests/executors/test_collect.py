@@ -39,14 +39,14 @@ class SevenSteps:
 
 
 class Service:
-    """Answers action 1 at version 3 and records each request's (worker, env steps)."""
+    """Answers action 1 at version 3 and records each request's (worker, env steps, seed)."""
 
     def __init__(self):
-        self.asked: list[tuple[int, int]] = []
+        self.asked: list[tuple[int, int, int]] = []
         self.closed = 0
 
-    def __call__(self, obs, worker, env_steps):
-        self.asked.append((worker, env_steps))
+    def __call__(self, obs, worker, env_steps, seed):
+        self.asked.append((worker, env_steps, seed))
         return ActReply(np.array([1]), np.array([-0.5], np.float32), 0.0, 3)
 
     def close(self):
@@ -54,7 +54,7 @@ class Service:
 
 
 def test_collect_closes_the_segments_asked_for_and_reports_their_books():
-    worker = RolloutWorker(5, SevenSteps, segment_len=3, seed=0)
+    worker = RolloutWorker(5, SevenSteps, segment_len=3, seed=11)
     service = Service()
     found = [worker.collect(service) for _ in range(3)]
     # 7 steps cut 3, 3, 1: each call returns once its segment closed, none left open.
@@ -65,7 +65,9 @@ def test_collect_closes_the_segments_asked_for_and_reports_their_books():
     ]
     assert [len(segments) for _, segments in found] == [1, 1, 1]
     assert found[2][1][0].episode_done and found[2][1][0].versions.tolist() == [3]
-    assert service.asked == [(5, n) for n in range(7)] and service.closed == 3
+    # Each request's seed is fixed by the worker's seed and its env steps.
+    assert service.asked == [(5, n, 11 * 1_000_003 + n) for n in range(7)]
+    assert service.closed == 3
     assert worker.stats().open_steps == 0
     # Two segments in one call: the next episode's first two.
     collected, segments = worker.collect(service, segments=2)

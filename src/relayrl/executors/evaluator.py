@@ -220,13 +220,6 @@ class Evaluator:
         """Episodes played since the start."""
         return {"episodes": self.played}
 
-    def state_dict(self) -> dict:
-        """Nothing to keep: every evaluation plays its episodes from their seeds."""
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Nothing to restore (see ``state_dict``)."""
-
     def close(self) -> None:
         """Release the env."""
         self.env.close()

@@ -144,17 +144,28 @@ class InferenceService:
         self._reset_counters()
 
     async def act(
-        self, obs: Observation, worker: int | None = None, env_steps: int = 0
+        self,
+        obs: Observation,
+        worker: int | None = None,
+        env_steps: int = 0,
+        seed: int | None = None,
     ) -> ActReply:
         """Queue one observation for the next batch and return its reply (sampled actions).
 
         ``worker`` names the asking rollout worker and ``env_steps`` counts the env steps it has
         taken so far; both are kept (on arrival, not on reply) for ``reported``. A request that
-        names no worker (a benchmark's, a test's) is not kept.
+        names no worker (a benchmark's, a test's) is not kept. A request with a ``seed`` gets a
+        forward pass of its own, its actions sampled from a generator seeded with it: the same
+        reply however the other workers' requests arrive (the lockstep loop's, which a resume
+        replays exactly).
         """
         if worker is not None:
             self._reported[worker] = env_steps
         self._ensure_batcher()
+        if seed is not None:
+            own = torch.Generator().manual_seed(seed)
+            request = _Request(obs, None, time.monotonic())
+            return (await self._forward([request], greedy=False, generator=own))[0]
         future = asyncio.get_running_loop().create_future()
         self._pending.append(_Request(obs, future, time.monotonic()))
         self._arrived.set()
@@ -373,11 +384,14 @@ class InferenceService:
                 if not request.future.done():  # the caller may have been cancelled
                     request.future.set_result(reply)
 
-    async def _forward(self, requests: list[_Request], *, greedy: bool) -> list[Any]:
+    async def _forward(
+        self, requests: list[_Request], *, greedy: bool, generator: torch.Generator | None = None
+    ) -> list[Any]:
         async with self._model_lock:
             start, began = time.monotonic(), time.time()
+            payloads = [r.obs for r in requests]
             version, replies = await asyncio.get_running_loop().run_in_executor(
-                self._executor, self._serve, [r.obs for r in requests], greedy
+                self._executor, self._serve, payloads, greedy, generator or self.generator
             )
             end = time.monotonic()
             # Recorded once done: under the early drain its version is known only inside.
@@ -394,18 +408,20 @@ class InferenceService:
             raise ValueError(f"batch_fn gave {len(replies)} replies to {len(requests)} requests")
         return replies
 
-    def _serve(self, payloads: list[Any], greedy: bool) -> tuple[int, list[Any]]:
-        """One forward pass on weights that no swap changes meanwhile: (their version, the
-        replies ``batch_fn`` gives)."""
+    def _serve(
+        self, payloads: list[Any], greedy: bool, generator: torch.Generator
+    ) -> tuple[int, list[Any]]:
+        """One forward pass on weights that no swap changes meanwhile, sampling from
+        ``generator``: (their version, the replies ``batch_fn`` gives)."""
         if self.receiver is None:
             version = self.version
-            return version, self.batch_fn(self.policy, payloads, greedy, self.generator, version)
+            return version, self.batch_fn(self.policy, payloads, greedy, generator, version)
         with self.receiver.serving() as received:
             # A receive's swap sets the receiver's version with the weights, atomically;
             # set_weights and the initial weights set only ours (under the model lock, which
             # this forward holds). Versions never go backwards, so the newer is what serves.
             version = max(received, self.version)
-            return version, self.batch_fn(self.policy, payloads, greedy, self.generator, version)
+            return version, self.batch_fn(self.policy, payloads, greedy, generator, version)
 
 
 def _fail(requests: list[_Request], err: Exception) -> None:

@@ -156,8 +156,10 @@ class ServiceClient:
     def __init__(self, service: Any):
         self.service = service
 
-    def __call__(self, obs: Observation, worker: int, env_steps: int) -> ActReply:
-        return ray.get(self.service.act.remote(obs, worker, env_steps))
+    def __call__(
+        self, obs: Observation, worker: int, env_steps: int, seed: int | None = None
+    ) -> ActReply:
+        return ray.get(self.service.act.remote(obs, worker, env_steps, seed))
 
     def act_many(
         self, observations: list[Observation], worker: int, env_steps: int

@@ -17,13 +17,14 @@ records what they touch).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+from relayrl.executors.rollout_worker import Collected
 from relayrl.observability.metrics import MetricsLog, RunTally
 from relayrl.recovery import Recovery
 from relayrl.roles import Group, Placed
-from relayrl.types import Segment
 from relayrl.workloads.embodied import EmbodiedWorkload
 from relayrl.workloads.llm import LLMWorkload
 
@@ -93,8 +94,6 @@ class SegmentWorkload(Workload, Protocol):
     besides: rollout workers step envs and ask inference replicas (weight receivers) for
     actions; segments reach the trainer directly (lockstep) or through the replay buffer."""
 
-    stepped: dict[int, int]  # worker id -> env steps as of its last lockstep step
-
     @property
     def services(self) -> Group:
         """The inference replicas."""
@@ -107,22 +106,12 @@ class SegmentWorkload(Workload, Protocol):
     def replay_buffer(self) -> Any:
         """The replay buffer's actor."""
 
-    async def lockstep(
-        self,
-        workers: Group,
-        quotas: list[int],
-        *,
-        greedy: bool = False,
-        into: list[Segment] | None = None,
-        books: dict[int, int] | None = None,
-    ) -> list:
-        """Step ``workers`` in lockstep until each closed its quota of segments."""
-
-    def note(self, segments: list[Segment]) -> None:
-        """Remember the workers' books that segments collected in lockstep carry."""
+    def note(self, collected: Sequence[Collected]) -> None:
+        """Remember the workers' books as of the last segment each collected in lockstep."""
 
     async def revive(self, recovery: Recovery, err: BaseException) -> None:
-        """Replace the inference replicas and rollout workers that died (lockstep)."""
+        """Replace the inference replicas and rollout workers that died (lockstep); re-raise
+        ``err`` when none did."""
 
     async def retire(self, index: int) -> int | None:
         """Keep dead worker ``index``'s books; the env steps it took that no books count."""
@@ -131,7 +120,7 @@ class SegmentWorkload(Workload, Protocol):
         """The inference replica that answers rollout worker ``worker``."""
 
     def service_client(self, worker: int) -> Any:
-        """What rollout worker ``worker`` calls for an action in async mode."""
+        """What rollout worker ``worker`` calls for an action in its ``run``."""
 
     def fetch(self, version: int) -> list[Any]:
         """Refs to the next super-batch's parts for a trainer at ``version``."""

@@ -22,8 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +36,7 @@ from relayrl.envs.embodied import EmbodiedEnv
 from relayrl.executors.imagination import Imagination, ImaginationSettings
 from relayrl.executors.inference_service import InferenceService
 from relayrl.executors.replay_buffer import ReplayBuffer
-from relayrl.executors.rollout_worker import RolloutWorker
+from relayrl.executors.rollout_worker import Collected, RolloutWorker
 from relayrl.executors.vla_trainer import VLATrainer
 from relayrl.executors.worker_side import (
     BufferSink,
@@ -65,7 +64,7 @@ from relayrl.observability.books import Books
 from relayrl.observability.metrics import MetricsLog, RunTally, say
 from relayrl.recovery import DEATHS, ExecutorFailed, Recovery, alive, first_line
 from relayrl.roles import Group, Placed, Role, ray_resources
-from relayrl.types import Segment
+from relayrl.workloads import embodied_eval
 from relayrl.workloads.embodied_summary import EmbodiedStats, books, summary_sections
 
 SERVICE_SEED = 2 * 10**6  # inference replica i samples actions from seed run.seed + this + i
@@ -74,7 +73,8 @@ WM_SEED = 3 * 10**6  # world-model replica i, and worker i's imagination, from r
 
 class EmbodiedWorkload:
     """Roles ``trainer`` (ranks), ``inference_service`` (replicas), ``replay_buffer``,
-    ``rollout_worker`` and ``evaluator`` (rollout workers whose episodes are never trained on)."""
+    ``rollout_worker`` and ``evaluator`` (``embodied_eval``: players of evaluation episodes with a
+    copy of the policy, never trained on)."""
 
     family = "segments"  # fed by controller.run_lockstep / run_streaming: act -> step -> train
 
@@ -82,12 +82,12 @@ class EmbodiedWorkload:
         self.cfg = cfg
         # seed -> env; replaces the env that cfg.env describes
         self.make_env = make_env or functools.partial(build_env, cfg.env)
+        self.env_given = make_env is not None  # the evaluators play it too
         self.placed = Placed()  # the role table once placed
         # Books of rollout workers that died: worker id -> (env steps, steps dropped by env
         # errors) as of the last segment each closed; what they did after it died with them.
         self.retired: dict[int, tuple[int, int]] = {}
         self.seen: dict[int, tuple[int, int]] = {}  # the same, of segments collected in lockstep
-        self.stepped: dict[int, int] = {}  # worker id -> env steps as of its last lockstep step
         self.worker_ids: list[int] = []
         self.recovery: Recovery | None = None  # set once weight sync is connected
         self.run_dir = None  # set by relayrl.job.train
@@ -98,8 +98,8 @@ class EmbodiedWorkload:
         self.legend = {"eval_label": f"evaluation success ({greedy})"}
 
     def place(self) -> None:
-        """Place the role table (``table``); rollout workers and evaluators are spread over the
-        inference replicas in turn.
+        """Place the role table (``table``); rollout workers are spread over the inference
+        replicas in turn.
 
         One env is built here first to learn its views, action space and tasks. Each worker gets
         its own seed and a factory it rebuilds its env with after a crash.
@@ -197,7 +197,7 @@ class EmbodiedWorkload:
                 "rollout_worker",
                 RolloutWorker,
                 cfg.rollout.workers,
-                functools.partial(self._worker, "rollout_worker"),
+                self._worker,
                 **rollout,
                 replaced=True,
                 keeps=worker_state,
@@ -205,18 +205,7 @@ class EmbodiedWorkload:
                 options={"max_concurrency": 2},  # stop(), stats()
                 renew=self._renew_worker,
             ),
-            Role(
-                "evaluator",
-                RolloutWorker,
-                cfg.env.eval_workers,
-                functools.partial(self._worker, "evaluator"),
-                **rollout,
-                replaced=True,
-                keeps=worker_state,
-                saved="state_dict",
-                options={"max_concurrency": 2},
-                renew=self._renew_evaluator,
-            ),
+            embodied_eval.evaluator_role(self),
         ]
         return rows + (self._world_model_table() if self.imagining else [])
 
@@ -242,7 +231,7 @@ class EmbodiedWorkload:
 
     @property
     def evaluators(self) -> Group:
-        """The evaluators: rollout workers whose episodes are never trained on."""
+        """The evaluators (``relayrl.executors.evaluator.Evaluator``)."""
         return self.placed["evaluator"]
 
     @property
@@ -365,19 +354,16 @@ class EmbodiedWorkload:
             "seed": cfg.run.seed + SERVICE_SEED + i + incarnation * cfg.inference.replicas,
         }
 
-    def _worker(self, role: str, i: int, incarnation: int) -> tuple[tuple, dict[str, Any]]:
-        """Rollout worker (or evaluator) ``i``'s constructor arguments, with its own seeds and
-        worker id; its ``incarnation``-th replacement gets an id and seeds of its own. In an
-        evaluator a whole episode is one segment."""
+    def _worker(self, i: int, incarnation: int) -> tuple[tuple, dict[str, Any]]:
+        """Rollout worker ``i``'s constructor arguments, with its own seeds and worker id; its
+        ``incarnation``-th replacement gets an id and seeds of its own."""
         cfg = self.cfg
-        training = role == "rollout_worker"
-        count = cfg.rollout.workers if training else cfg.env.eval_workers
-        worker_id = i + incarnation * count
-        seed = cfg.run.seed + (1 if training else 10**6) + worker_id
+        worker_id = i + incarnation * cfg.rollout.workers
+        seed = cfg.run.seed + 1 + worker_id
         return (worker_id, functools.partial(self.make_env, seed + 1000)), {
-            "segment_len": cfg.rollout.segment_len if training else 10**9,
+            "segment_len": cfg.rollout.segment_len,
             "seed": seed,
-            "envs": cfg.rollout.envs_per_worker if training else 1,
+            "envs": cfg.rollout.envs_per_worker,
             "task_sampler": TaskSampler(self.tasks, seed),
             "max_consecutive_errors": cfg.rollout.max_consecutive_errors,
             "env_threads": cfg.rollout.env_threads,
@@ -388,59 +374,48 @@ class EmbodiedWorkload:
         self.worker_ids[index] = index + incarnation * self.cfg.rollout.workers
         ray.get(worker.__ray_call__.remote(set_task_weights, self.choice.weights()))
 
-    def _renew_evaluator(self, worker: Any, index: int, incarnation: int) -> None:
-        """A replaced evaluator plays the evaluation tasks."""
-        ray.get(worker.__ray_call__.remote(set_task_weights, self._eval_weights()))
-
-    def _eval_weights(self) -> list[float]:
-        """The evaluators' task weights: ``env.eval_tasks`` only, or every task."""
-        chosen = self.cfg.env.eval_tasks
-        return [float(chosen is None or t in chosen) for t in self.tasks]
-
     async def retire(self, index: int) -> int | None:
         """Keep the books of dead rollout worker ``index`` as of the last segment it closed (from
         the replay buffer's record, or the segments collected in lockstep); returns the env steps
         it took after that segment, which no books count (its open segment's, and those of a
         segment an env error ended since).
 
-        Lockstep: as its last step returned; one that has not stepped since it was placed or
-        loaded took none (a round ends, and a checkpoint falls, with every segment closed).
-        Async: as its last request to its inference replica said; None (unknown) if that replica
-        died since. A step in flight at the death is not known.
+        As its last request to its inference replica said; None (unknown) if that replica died
+        since. A step in flight at the death is not known. In lockstep a round ends, and a
+        checkpoint falls, with every segment closed: a worker killed between two rounds took
+        none.
         """
         worker_id = self.worker_ids[index]
         found = (await self.replay_buffer.stats.remote()).workers.get(worker_id, (0, 0))
         books = max(tuple(found), self.seen.get(worker_id, (0, 0)))
         self.retired[worker_id] = books
-        if self.cfg.mode == "sync":
-            taken = self.stepped.get(worker_id, books[0])
-        else:
-            try:
-                taken = await self.service_of(index).reported.remote(worker_id)
-            except DEATHS:
-                taken = None
+        try:
+            taken = await self.service_of(index).reported.remote(worker_id)
+        except DEATHS:
+            taken = None
         # Below books[0] when its last step closed a segment that reached the buffer after its
         # last request: nothing was left open.
         return None if taken is None else max(taken - books[0], 0)
 
     async def revive(self, recovery: Recovery, err: BaseException) -> None:
-        """Replace the inference replicas and rollout workers that died (lockstep: between two
-        calls, so a worker that lived keeps its observation and open segment)."""
-        for s, service in enumerate(self.services):
-            if not await alive(service):
-                await recovery.replace(self.services, s, err)
-        for i, worker in enumerate(self.workers):
-            if not await alive(worker):
-                unfinished = await self.retire(i)
-                await recovery.replace(self.workers, i, err, unfinished=unfinished)
+        """After a lockstep round failed with ``err``: replace the inference replicas and rollout
+        workers that died (a worker that lived keeps its observation and open segment, taken
+        under the same weights); re-raise ``err`` when none died."""
+        dead = [(self.services, s) for s, a in enumerate(self.services) if not await alive(a)]
+        dead += [(self.workers, i) for i, a in enumerate(self.workers) if not await alive(a)]
+        if not dead:
+            raise err
+        for group, i in dead:
+            unfinished = await self.retire(i) if group is self.workers else 0
+            await recovery.replace(group, i, err, unfinished=unfinished)
 
-    def note(self, segments: list[Segment]) -> None:
-        """Remember the workers' books that segments collected in lockstep carry."""
-        for seg in segments:
-            self.seen[seg.worker] = (seg.worker_env_steps, seg.worker_dropped_error)
+    def note(self, collected: Sequence[Collected]) -> None:
+        """Remember the workers' books as of the last segment each collected in lockstep."""
+        for c in collected:
+            self.seen[c.worker] = (c.worker_env_steps, c.worker_dropped_error)
 
     def service_of(self, worker: int) -> Any:
-        """The inference replica that answers rollout worker (or evaluator) ``worker``."""
+        """The inference replica that answers rollout worker ``worker``."""
         return self.services[worker % len(self.services)]
 
     def service_client(self, worker: int) -> ServiceClient | SocketServiceClient:
@@ -478,11 +453,11 @@ class EmbodiedWorkload:
         await self.finish_world_model()
 
     async def realign(self, parts: dict[str, Any]) -> None:
-        """After a checkpoint: reload each worker and evaluator from the state ``parts`` holds
-        for it. That state leaves out the episode in progress, so the run goes on exactly as a
-        resume from this checkpoint would, each worker starting a fresh episode from the seed the
+        """After a checkpoint: reload each rollout worker from the state ``parts`` holds for it.
+        That state leaves out the episode in progress, so the run goes on exactly as a resume
+        from this checkpoint would, each worker starting a fresh episode from the seed the
         checkpoint records."""
-        workers = self.workers.named() | self.evaluators.named()
+        workers = self.workers.named()
         await asyncio.gather(*(w.load_state_dict.remote(parts[n]) for n, w in workers.items()))
         await asyncio.gather(*self._report_loaded(parts))
 
@@ -586,8 +561,8 @@ class EmbodiedWorkload:
         return dict(found.metrics)
 
     def prepare(self, log: MetricsLog) -> dict:
-        """Publish version 0, pin the evaluators to ``env.eval_tasks``, evaluate, and give the
-        workers their first task weights."""
+        """Publish version 0, check ``env.eval_tasks``, evaluate, and give the workers their
+        first task weights."""
         cfg = self.cfg
         ray.get(publish_weights(self.trainer, self.receivers()))
         if self.imagining:  # the replicas serve the world-model trainer's version 0 first
@@ -599,8 +574,6 @@ class EmbodiedWorkload:
                     f"env.eval_tasks={cfg.env.eval_tasks} must be a non-empty subset of the env's "
                     f"tasks {list(self.tasks)}; unknown: {unknown}"
                 )
-            weights = self._eval_weights()
-            ray.get([w.__ray_call__.remote(set_task_weights, weights) for w in self.evaluators])
         say(f"evaluating {cfg.env.eval_episodes} episodes before RL")
         start = asyncio.run(self.evaluate())
         log.log(0, {f"eval/{k}": v for k, v in start.items() if k != "per_task"})
@@ -608,88 +581,10 @@ class EmbodiedWorkload:
         ray.get([w.__ray_call__.remote(set_task_weights, weights) for w in self.workers])
         return {"eval": {"start": start}}
 
-    async def lockstep(
-        self,
-        workers: Group,
-        quotas: list[int],
-        *,
-        greedy: bool = False,
-        into: list[Segment] | None = None,
-        books: dict[int, int] | None = None,
-    ) -> list:
-        """Step ``workers`` in lockstep, one batched forward pass per inference replica per step,
-        until worker ``i`` has closed ``quotas[i]`` segments; returns the closed segments (also
-        appended to ``into`` as they close, and each worker's env steps set in ``books`` by its
-        id as its steps return, so that a caller keeps them if an actor dies)."""
-        closed: list[Segment] = [] if into is None else into
-        left = list(quotas)
-        while any(n > 0 for n in left):
-            active = [i for i, n in enumerate(left) if n > 0]
-            observations = await asyncio.gather(*(workers[i].observe.remote() for i in active))
-            by_service: dict[int, list[int]] = {}
-            for k, i in enumerate(active):
-                by_service.setdefault(i % len(self.services), []).append(k)
-            answers = await asyncio.gather(
-                *(
-                    self.services[s].act_batch.remote([observations[k] for k in ks], greedy=greedy)
-                    for s, ks in by_service.items()
-                )
-            )
-            replies: dict[int, Any] = {}
-            for ks, answer in zip(by_service.values(), answers, strict=True):
-                replies.update(zip(ks, answer, strict=True))
-            steps = [
-                workers[i].step.remote(
-                    replies[k].actions, replies[k].logprobs, replies[k].value, replies[k].version
-                )
-                for k, i in enumerate(active)
-            ]
-            # Keep what the workers that stepped closed, even if another one died meanwhile.
-            results = await asyncio.gather(*steps, return_exceptions=True)
-            for i, stepped in zip(active, results, strict=True):
-                if not isinstance(stepped, BaseException):
-                    closed += stepped.segments
-                    left[i] -= len(stepped.segments)
-                    if books is not None:
-                        books[stepped.worker] = stepped.env_steps
-            for stepped in results:
-                if isinstance(stepped, BaseException):
-                    raise stepped
-        return closed
-
     async def evaluate(self) -> dict:
-        """Success rate of the served policy on ``env.eval_episodes`` fresh episodes, played in
-        lockstep by the evaluators."""
-        start = time.time()
-        version = (await self.services[0].stats.remote()).version
-        n, k = self.cfg.env.eval_episodes, len(self.evaluators)
-        quotas = [n // k + (i < n % k) for i in range(k)]
-        while True:
-            try:
-                await self.lockstep(self.evaluators, quotas, greedy=self.cfg.env.eval_greedy)
-                break
-            except DEATHS as err:  # replace the dead evaluators; play all the episodes again
-                if self.recovery is None:
-                    raise
-                for i, evaluator in enumerate(self.evaluators):
-                    if not await alive(evaluator):  # its steps are in no books
-                        await self.recovery.replace(self.evaluators, i, err)
-                await asyncio.gather(*(w.episode_results.remote() for w in self.evaluators))
-        drained = await asyncio.gather(*(w.episode_results.remote() for w in self.evaluators))
-        results = [r for rs in drained for r in rs]
-        per_task: dict[str, list[bool]] = {}
-        for r in results:
-            per_task.setdefault(r.task, []).append(r.success)
-        rate = sum(r.success for r in results) / max(len(results), 1)
-        return {
-            "accuracy": rate,  # the name the report and learning curve read
-            "success_rate": rate,
-            "n": len(results),
-            "episode_len": sum(r.length for r in results) / max(len(results), 1),
-            "version": version,
-            "time_s": time.time() - start,
-            "per_task": {task: sum(s) / len(s) for task, s in per_task.items()},
-        }
+        """The run's evaluation protocol played with the trainer's current policy by the
+        evaluators (``relayrl.workloads.embodied_eval``)."""
+        return await embodied_eval.evaluate(self)
 
     async def episode_feedback(self, step: int) -> dict[str, float]:
         """Drain the workers' finished episodes into DWR and the curriculum, push the new task

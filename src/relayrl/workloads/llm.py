@@ -13,6 +13,7 @@ from typing import Any
 import ray
 
 from relayrl.config import Config
+from relayrl.executors.evaluator import heldout_result
 from relayrl.executors.generator import Generator
 from relayrl.executors.stages import Stage, config_stages
 from relayrl.executors.trainer import Trainer
@@ -192,7 +193,7 @@ class LLMWorkload:
             ray.get([a.load.remote(self.start_path) for g in self._from_start() for a in g])
         say("evaluating held-out before RL")
         start = asyncio.run(self.evaluate())
-        log.log(0, {**{f"eval/{k}": v for k, v in start.items()}, **warm})
+        log.log(0, {**{f"eval/{k}": v for k, v in start.items() if k != "per_task"}, **warm})
         return {"warm_start": warm, "eval": {"start": start}}
 
     def _probe(self) -> float:
@@ -205,7 +206,9 @@ class LLMWorkload:
         return accuracy
 
     async def evaluate(self, split: str = "heldout") -> dict:
-        """Greedy accuracy of generator replica 0's policy on a split, and what it cost."""
+        """Greedy accuracy of generator replica 0's policy on a split, and what it cost: the
+        LLM evaluation protocol (``relayrl.executors.evaluator.heldout_result``), which
+        ``relayrl eval RUN`` plays alike on the saved checkpoint."""
         start = time.time()
         while True:
             generator, rewarder = self.generators[0], self.rewarders[0]
@@ -222,12 +225,7 @@ class LLMWorkload:
                     if not await alive(actor):
                         await self.recovery.replace(group, 0, err, dead=actor)
         version = (await generator.stats.remote()).version
-        return {
-            "accuracy": score["reward_mean"],
-            "n": score["samples"],
-            "version": version,
-            "time_s": time.time() - start,
-        }
+        return heldout_result(self.cfg.task.name, score, version, time.time() - start)
 
     def partial_books(self, tally: RunTally) -> dict[str, Books]:
         """The ``samples`` books of a run that stopped early: the controller's counts (it counts
