@@ -1,12 +1,19 @@
 """A rollout worker's ``collect`` (the lockstep loop's call): it steps its env against the service
-until it closes the segments asked for, leaves none open, and reports their books."""
+until it closes the segments asked for, leaves none open, and reports their books; the seeded
+requests it makes are answered alike however other requests are batched."""
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
+import torch
+from conftest import TINY_VLA
 
 from relayrl.envs.embodied import ActionSpace, Observation, StepResult
+from relayrl.executors.inference_service import InferenceService
 from relayrl.executors.rollout_worker import Collected, RolloutWorker
+from relayrl.models.vla import VLAPolicy
 from relayrl.types import ActReply
 
 
@@ -82,3 +89,26 @@ def test_a_crash_in_collect_drops_the_open_steps_and_the_call_goes_on():
     collected, segments = worker.collect(Service())
     assert first == Collected(0, 3, 3, 0)
     assert collected == Collected(0, 3, 7, 1) and len(segments) == 1
+
+
+def test_a_seeded_request_gets_the_same_actions_whatever_arrives_beside_it():
+    torch.manual_seed(0)
+    service = InferenceService(VLAPolicy(TINY_VLA), max_batch=8, max_wait_ms=20.0, seed=0)
+    rng = np.random.default_rng(0)
+    observations = [
+        Observation(rng.integers(0, 256, (1, 8, 8, 3), dtype=np.uint8), "go", "a", 0)
+        for _ in range(6)
+    ]
+
+    async def seeded(others: int, seed: int) -> ActReply:
+        # The seeded request arrives among ``others`` unseeded ones, batched meanwhile.
+        calls = [service.act(o) for o in observations[1 : 1 + others]]
+        replies = await asyncio.gather(service.act(observations[0], 0, 0, seed), *calls)
+        return replies[0]
+
+    alone, crowded = asyncio.run(seeded(0, 7)), asyncio.run(seeded(5, 7))
+    assert alone.actions.tolist() == crowded.actions.tolist()
+    assert np.array_equal(alone.logprobs, crowded.logprobs)
+    # Over a few seeds the sampled actions differ: the seed, not the batch, picks them.
+    draws = {tuple(asyncio.run(seeded(3, s)).actions.tolist()) for s in range(8)}
+    assert len(draws) > 1
