@@ -461,7 +461,7 @@ def test_a_preset_by_name_is_found_beside_the_config_and_overrides_come_last():
 
 def test_acce_options_reach_the_task_choice_and_the_vla_config():
     from relayrl.models.vla import vla_config
-    from relayrl.workloads.embodied import TaskChoice
+    from relayrl.workloads.task_choice import TaskChoice
 
     overrides = ["rollout.dwr_formula=acce", "rollout.dwr_alpha=0.5", "vla.value_head=acce"]
     cfg = load_config(REPO / "configs" / "babyai.yaml", [*overrides, "rollout.curriculum=false"])
