@@ -160,7 +160,7 @@ def test_vla_path_starts_the_trainer_from_a_saved_policy_of_the_same_sizes(tmp_p
 
 
 def test_vla_path_of_other_sizes_or_no_policy_is_refused_naming_the_difference(tmp_path):
-    from relayrl.workloads.embodied import check_saved_vla
+    from relayrl.workloads.saved_models import check_saved_vla
 
     path = make_trainer().save_pretrained(str(tmp_path / "ckpt"))
     wider = VLAConfig(**{**TINY_VLA.__dict__, "d_model": 16, "heads": 4})

@@ -23,13 +23,12 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import ray
 
 from relayrl.channels.act_socket import SocketServiceClient
-from relayrl.config import Config, ConfigError
+from relayrl.config import Config
 from relayrl.envs.embodied import EmbodiedEnv
 from relayrl.executors.imagination import Imagination, ImaginationSettings
 from relayrl.executors.inference_service import InferenceService
@@ -48,15 +47,8 @@ from relayrl.executors.worker_side import (
 )
 from relayrl.executors.world_model_trainer import WorldModelTrainer
 from relayrl.launch import connect_weight_sync, form_trainer_group, publish_weights
-from relayrl.models.vla import VLAConfig, VLAPolicy, saved_vla_config, vla_config, vla_mismatch
-from relayrl.models.world_model import (
-    ObsModelConfig,
-    SuccessModel,
-    SuccessModelConfig,
-    build_obs_model,
-    pretrained_mismatch,
-    world_model_configs,
-)
+from relayrl.models.vla import VLAPolicy, vla_config
+from relayrl.models.world_model import SuccessModel, build_obs_model, world_model_configs
 from relayrl.models.world_model.serving import WorldModel, world_model_replies
 from relayrl.observability.books import Books
 from relayrl.observability.metrics import MetricsLog, RunTally, say
@@ -64,6 +56,7 @@ from relayrl.recovery import DEATHS, ExecutorFailed, Recovery, alive, first_line
 from relayrl.roles import Group, Placed, Role, ray_resources
 from relayrl.workloads import embodied_eval
 from relayrl.workloads.embodied_summary import EmbodiedStats, books, summary_sections
+from relayrl.workloads.saved_models import check_saved_vla, check_saved_world_model
 from relayrl.workloads.task_choice import TaskChoice
 
 SERVICE_SEED = 2 * 10**6  # inference replica i samples actions from seed run.seed + this + i
@@ -647,39 +640,4 @@ class EmbodiedWorkload:
             imagined_buffer=get(imagined.stats.remote()) if imagined is not None else None,
             world_model=get(self.wm_trainer[0].stats.remote()) if served else None,
             wm_services=get([s.stats.remote() for s in self.wm_services]) if served else (),
-        )
-
-
-def check_saved_vla(path: str, wanted: VLAConfig) -> None:
-    """Raise ``ConfigError`` unless ``vla.path`` holds a saved policy of ``wanted``'s sizes."""
-    _refuse_mismatch(
-        "vla.path",
-        path,
-        "the saved policy",
-        "vla and env",
-        lambda: vla_mismatch(saved_vla_config(path), wanted),
-    )
-
-
-def check_saved_world_model(path: str, obs: ObsModelConfig, reward: SuccessModelConfig) -> None:
-    """Raise ``ConfigError`` unless ``world_model.path`` holds models whose weights fit this
-    run's ``obs`` and ``reward`` configs."""
-    for part, wanted in (("observation", obs), ("reward", reward)):
-        found = functools.partial(pretrained_mismatch, Path(path) / part, wanted)
-        _refuse_mismatch("world_model.path", path, f"{part}/", "world_model and env", found)
-
-
-def _refuse_mismatch(
-    field: str, path: str, what: str, settings: str, differ: Callable[[], list[str]]
-) -> None:
-    """``ConfigError`` naming ``field`` if ``differ()`` fails or lists sizes of the model saved
-    at ``path`` that differ from the run's ``settings``."""
-    try:
-        found = differ()
-    except (FileNotFoundError, TypeError, ValueError) as err:
-        raise ConfigError(f"{field}={path!r}: {err}") from err
-    if found:
-        raise ConfigError(
-            f"{field}={path!r}: {what} has other sizes than this run's {settings} settings: "
-            f"{', '.join(found)}"
         )
