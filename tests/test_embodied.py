@@ -14,6 +14,7 @@ from conftest import IMAGINING, QUIET, check_books, interrupted_copy, shm_files,
 from conftest import SMALL_EMBODIED as SMALL
 from safetensors.torch import load_file
 
+from relayrl.checkpoint_format import DIRECTORY
 from relayrl.config import ConfigError, EnvConfig, load_config
 from relayrl.executors.worker_side import BLIND_INSTRUCTION, build_env
 from relayrl.job import train
@@ -220,15 +221,23 @@ def test_the_acce_preset_runs_async_and_trains_its_value_head(ray_session, tmp_p
 
 
 def test_imagination_trains_on_imagined_segments_and_keeps_both_books(ray_session, tmp_path):
-    """AcceRL-WM on the small run: the workers imagine after each real episode, the world-model
-    trainer (two ranks) fine-tunes both models every step and its replicas serve the new
-    versions; real and imagined env steps each balance their books, also after a resume from the
-    step-2 checkpoint, and the trace has the world-model rows."""
+    """AcceRL-WM on the small run: the workers step WorldModelEnvs beside their real envs, the
+    world-model trainer (two ranks) fine-tunes both models every step and its replicas serve the
+    new versions; real and imagined env steps each balance their books, also after a resume from
+    a checkpoint that fell with imagined episodes in progress, and the trace has the world-model
+    rows."""
+    # A checkpoint every step: the imagined envs play most of the time, so some checkpoint of
+    # the four before the last step falls with imagined episodes in progress.
     cfg = tiny_config(
-        *SMALL, *IMAGINING, "steps=4", "run.checkpoint_every=2", "world_model.ranks=2"
+        *SMALL,
+        *IMAGINING,
+        "steps=5",
+        "run.checkpoint_every=1",
+        "run.keep_checkpoints=5",
+        "world_model.ranks=2",
     )
     summary = train(cfg, tmp_path / "run")
-    assert summary["status"] == "finished" and summary["steps"] == 4
+    assert summary["status"] == "finished" and summary["steps"] == 5
     check_books(summary)
     imagined = summary["imagined_samples"]
     assert imagined["accounted"] and imagined["trained"] > 0
@@ -248,14 +257,28 @@ def test_imagination_trains_on_imagined_segments_and_keeps_both_books(ray_sessio
         and summary["perf"]["busy"]["world_model_trainer_1"] > 0
     )
 
-    resumed = train(cfg, interrupted_copy(tmp_path / "run", 2, tmp_path), resume=True)
-    assert resumed["status"] == "finished" and resumed["steps"] == 4
+    def imagining_at(step: int) -> int:
+        """Imagined episodes in progress when checkpoint ``step`` fell."""
+        found = (tmp_path / "run" / DIRECTORY / f"step-{step:08d}").glob("rollout_worker_*.pt")
+        saved = [torch.load(path, weights_only=False)["imagination"] for path in found]
+        assert len(saved) == 2
+        return sum(s["playing"] for s in saved)
+
+    # The last checkpoint before the end that fell mid-imagination: the resume drops those.
+    mid = [step for step in (1, 2, 3, 4) if imagining_at(step) > 0]
+    assert mid, "no checkpoint fell with imagined episodes in progress"
+    at = mid[-1]
+    resumed = train(cfg, interrupted_copy(tmp_path / "run", at, tmp_path), resume=True)
+    assert resumed["status"] == "finished" and resumed["steps"] == 5
     check_books(resumed)
     imagined = resumed["imagined_samples"]
     assert imagined["accounted"] and imagined["trained"] > 0
+    assert imagined["generated"] == imagined["by_live_workers"] > 0
     record = resumed["resumes"][0]
-    assert record["step"] == 2 and record["imagined_dropped_resume"] == imagined["dropped_resume"]
-    assert resumed["world_model"]["version"] >= 3  # two rounds kept, two more trained
+    assert record["step"] == at and record["imagined_dropped_resume"] == imagined["dropped_resume"]
+    # A round kept (the checkpoint waits for the one in progress) and one more after the resume;
+    # a round starts after a step only once the one before it has ended.
+    assert resumed["world_model"]["version"] >= 2
 
 
 def test_a_pretrained_world_model_of_other_sizes_is_refused_naming_them(tmp_path):
@@ -266,7 +289,7 @@ def test_a_pretrained_world_model_of_other_sizes_is_refused_naming_them(tmp_path
         build_obs_model,
         save_pretrained,
     )
-    from relayrl.workloads.saved_models import check_saved_world_model
+    from relayrl.workloads.embodied import check_saved_world_model
 
     obs = ObsModelConfig(backend="deterministic", image_size=16, channels=8, cond_dim=16)
     reward = SuccessModelConfig(image_size=16, channels=8, hidden=16)

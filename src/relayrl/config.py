@@ -592,21 +592,14 @@ class EnvConfig(_Section):
     latency_mean_ms: float = Field(10.0, gt=0, description="Mean of the latency sleep.")
     latency_sigma: float = Field(1.0, ge=0, description="lognormal latency: sigma of the log.")
     eval_episodes: int = Field(
-        64,
-        ge=1,
-        description="Episodes per evaluation, split over the evaluation tasks in turn, never "
-        "trained on; episode i of a task is seeded from run.seed and i, the same every time.",
+        64, ge=1, description="Fresh episodes per evaluation, never trained on."
     )
     eval_workers: int = Field(
-        4,
-        ge=1,
-        description="Evaluators (actors, each with its env and a copy of the policy) that share "
-        "the evaluation episodes.",
+        4, ge=1, description="Rollout workers that play the evaluation episodes in lockstep."
     )
     eval_tasks: list[str] | None = Field(
         None,
-        description="Tasks the evaluations play (eval_episodes split over them); null plays all "
-        "of the env's.",
+        description="Tasks the evaluations play (drawn uniformly); null plays all of the env's.",
     )
     eval_greedy: bool = Field(
         False,
@@ -736,9 +729,11 @@ class ImaginationConfig(_Section):
     episodes_per_real: int = Field(
         0,
         ge=0,
-        description="Imagined episodes a rollout worker plays after each real episode, each "
-        "from a real frame of its episode cache, with the policy service acting and the "
-        "world-model service predicting; 0: off.",
+        description="Imagined episodes a rollout worker starts per real episode it finishes, "
+        "each from a real frame of its episode cache, in WorldModelEnv slots (this many per real "
+        "env) stepped beside its real envs, with the policy service acting and the world-model "
+        "service predicting; starts due while every slot is busy wait, at most one per slot; "
+        "0: off.",
     )
     real_ratio: float = Field(
         0.0,
@@ -1598,7 +1593,7 @@ def parse_config(tree: dict[str, Any], *, world_model: bool = False) -> Config:
     """The LLMConfig or EmbodiedConfig a mapping describes, by its ``workload`` (llm when unset);
     ConfigError naming the first problem. ``world_model``: as for ``load_config``."""
     tree = {"workload": "llm", **tree}
-    if not isinstance(tree["workload"], str) or tree["workload"] not in CONFIGS:
+    if tree["workload"] not in CONFIGS:
         allowed = " or ".join(repr(name) for name in CONFIGS)
         raise ConfigError(f"workload = {tree['workload']!r}: Input should be {allowed}")
     try:

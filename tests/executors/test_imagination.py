@@ -165,6 +165,8 @@ def test_a_reloaded_worker_drops_its_open_imagined_episodes_and_draws_the_same_s
     worker.run(ZeroPolicy(), [].append, max_segments=4)
     state = worker.state_dict()
     assert state["imagination"]["counts"] == worker.imagination.counts
+    playing = [slot for slot in worker.slots if slot.imagined and slot.obs is not None]
+    assert state["imagination"]["playing"] == len(playing) > 0
     assert worker.imagination.counts["steps"] > 0
     again, imagined, _ = imagining_worker(max_steps=20)
     again.load_state_dict(state)
