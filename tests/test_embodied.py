@@ -289,7 +289,7 @@ def test_a_pretrained_world_model_of_other_sizes_is_refused_naming_them(tmp_path
         build_obs_model,
         save_pretrained,
     )
-    from relayrl.workloads.embodied import check_saved_world_model
+    from relayrl.workloads.saved_models import check_saved_world_model
 
     obs = ObsModelConfig(backend="deterministic", image_size=16, channels=8, cond_dim=16)
     reward = SuccessModelConfig(image_size=16, channels=8, hidden=16)

@@ -592,14 +592,21 @@ class EnvConfig(_Section):
     latency_mean_ms: float = Field(10.0, gt=0, description="Mean of the latency sleep.")
     latency_sigma: float = Field(1.0, ge=0, description="lognormal latency: sigma of the log.")
     eval_episodes: int = Field(
-        64, ge=1, description="Fresh episodes per evaluation, never trained on."
+        64,
+        ge=1,
+        description="Episodes per evaluation, split over the evaluation tasks in turn, never "
+        "trained on; episode i of a task is seeded from run.seed and i, the same every time.",
     )
     eval_workers: int = Field(
-        4, ge=1, description="Rollout workers that play the evaluation episodes in lockstep."
+        4,
+        ge=1,
+        description="Evaluators (actors, each with its env and a copy of the policy) that share "
+        "the evaluation episodes.",
     )
     eval_tasks: list[str] | None = Field(
         None,
-        description="Tasks the evaluations play (drawn uniformly); null plays all of the env's.",
+        description="Tasks the evaluations play (eval_episodes split over them); null plays all "
+        "of the env's.",
     )
     eval_greedy: bool = Field(
         False,
@@ -1593,7 +1600,7 @@ def parse_config(tree: dict[str, Any], *, world_model: bool = False) -> Config:
     """The LLMConfig or EmbodiedConfig a mapping describes, by its ``workload`` (llm when unset);
     ConfigError naming the first problem. ``world_model``: as for ``load_config``."""
     tree = {"workload": "llm", **tree}
-    if tree["workload"] not in CONFIGS:
+    if not isinstance(tree["workload"], str) or tree["workload"] not in CONFIGS:
         allowed = " or ".join(repr(name) for name in CONFIGS)
         raise ConfigError(f"workload = {tree['workload']!r}: Input should be {allowed}")
     try:

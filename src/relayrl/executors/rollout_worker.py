@@ -88,6 +88,9 @@ class Stepped:
     env_steps: int  # the worker's books: env steps taken, this one included if the env took it
 
 
+ACT_SEED_STRIDE = 1_000_003  # the action seeds of two workers meet only a million steps apart
+
+
 @dataclass(frozen=True)
 class Collected:
     """What one ``collect`` call closed, without the segments themselves: what the controller
@@ -176,6 +179,7 @@ class RolloutWorker:
         if max_consecutive_errors < 1:
             raise ValueError(f"max_consecutive_errors must be >= 1, got {max_consecutive_errors}")
         self.worker_id = worker_id
+        self.seed = seed
         self.make_env = make_env
         self.segment_len = segment_len
         self.task_sampler = task_sampler
@@ -233,13 +237,16 @@ class RolloutWorker:
         return self._step_slots(self.slots[:1], [(action_tokens, logprobs, value, version)])
 
     def collect(
-        self, service: Callable[[Observation, int, int], ActReply], segments: int = 1
+        self, service: Callable[[Observation, int, int, int], ActReply], segments: int = 1
     ) -> tuple[Collected, list[Segment]]:
-        """Step the first env, asking ``service`` (as ``run`` does) for each action, until it
-        has closed ``segments`` segments; returns what they hold and the segments. Called
-        between two weight updates (lockstep), every step of them is chosen by the same weights.
-        As a Ray call with ``num_returns=2`` the caller reads the summary and hands the
-        segments' reference on. A ``service`` with a ``close`` method is closed at the end."""
+        """Step the first env, asking ``service`` for each action, until it has closed
+        ``segments`` segments; returns what they hold and the segments. Called between two
+        weight updates (lockstep), every step of them is chosen by the same weights. As a Ray
+        call with ``num_returns=2`` the caller reads the summary and hands the segments'
+        reference on. ``service`` maps an observation, the worker's id, its env steps so far and
+        a sampling seed (fixed by the worker's seed and those env steps, so that a run and its
+        resume sample alike; ``worker_side.ServiceClient``) to an ``ActReply``. A ``service``
+        with a ``close`` method is closed at the end."""
         if segments < 1:
             raise ValueError(f"segments must be >= 1, got {segments}")
         slots, closed = self.slots[:1], []
@@ -247,7 +254,8 @@ class RolloutWorker:
             while len(closed) < segments:
                 obs = self._observe(slots[0])
                 start = time.perf_counter()
-                r = service(obs, self.worker_id, self._counts["env_steps"])
+                env_steps = self._counts["env_steps"]
+                r = service(obs, self.worker_id, env_steps, self._act_seed(env_steps))
                 self._wait_s += time.perf_counter() - start
                 answer = (r.actions, r.logprobs, r.value, r.version)
                 closed += self._step_slots(slots, [answer]).segments
@@ -258,6 +266,10 @@ class RolloutWorker:
         steps = sum(len(s) for s in closed)
         books = (last.worker_env_steps, last.worker_dropped_error)
         return Collected(self.worker_id, steps, *books), closed
+
+    def _act_seed(self, env_steps: int) -> int:
+        """The sampling seed of the action for the worker's ``env_steps``-th step."""
+        return (self.seed * ACT_SEED_STRIDE + env_steps) % 2**63
 
     def run(
         self,
