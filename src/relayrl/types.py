@@ -394,3 +394,10 @@ class StageStats:
     updates: int = 0  # a learning stage's (the critic's) optimizer steps
     skipped_nonfinite: int = 0
     counts: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EvaluatorStats:
+    """An evaluator's counters."""
+
+    episodes: int  # evaluation episodes played since the start

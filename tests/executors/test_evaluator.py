@@ -9,13 +9,13 @@ from conftest import tiny_config
 
 from relayrl.executors.evaluator import (
     SEED_STRIDE,
-    EvalEpisode,
     EvalProtocol,
     Evaluator,
     Outcome,
     eval_env,
 )
 from relayrl.models.vla import VLAPolicy, vla_config
+from relayrl.types import EvaluatorStats
 
 TASKS = ("BabyAI-GoToLocalS5N2-v0", "BabyAI-GoToLocalS6N3-v0")
 ENV = [
@@ -86,6 +86,7 @@ def test_an_episode_plays_alike_in_any_evaluator_and_order():
     policy = {"version": 0, "weights": VLAPolicy(vla).state_dict()}
     one = Evaluator(eval_env(cfg, "seeded", 0), vla)
     alone = one.play(protocol.plan(), False, policy)
+    assert len(alone) == 6 and one.stats() == EvaluatorStats(episodes=6)
     # Two other evaluators (other env seeds), each playing its share backwards.
     shares = protocol.deal(2)
     pair = [Evaluator(eval_env(cfg, "seeded", 10 + k), vla) for k in range(2)]

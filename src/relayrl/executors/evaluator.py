@@ -40,6 +40,7 @@ from relayrl.config import Config
 from relayrl.envs.embodied import EmbodiedEnv
 from relayrl.executors.worker_side import build_env
 from relayrl.models.vla import VLAConfig, VLAPolicy
+from relayrl.types import EvaluatorStats
 
 PROTOCOLS = ("libero", "seeded")
 SEED_STRIDE = 100_003  # the episodes of two protocol seeds never meet
@@ -216,9 +217,9 @@ class Evaluator:
         self.played += 1
         return Outcome(episode.task, episode.i, bool(result.success), steps)
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> EvaluatorStats:
         """Episodes played since the start."""
-        return {"episodes": self.played}
+        return EvaluatorStats(episodes=self.played)
 
     def close(self) -> None:
         """Release the env."""
