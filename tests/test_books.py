@@ -4,11 +4,13 @@ embodied summary's books from stats, and a guard that no ``stats()`` result is r
 from __future__ import annotations
 
 import ast
+import dataclasses
 from pathlib import Path
 
 import pytest
 
 import relayrl
+import relayrl.types
 from relayrl.executors.replay_buffer import ReplayBuffer
 from relayrl.observability.books import Books, BooksUnbalanced
 from relayrl.observability.metrics import RunTally
@@ -335,3 +337,16 @@ def test_no_stats_result_is_read_by_a_string_key_in_the_package():
         if (lines := string_reads_of_stats(path.read_text()))
     }
     assert found == {}, f"stats() results read by string key (file: lines): {found}"
+
+
+def test_every_executors_stats_returns_a_frozen_dataclass_of_types():
+    annotated = {}
+    for path in sorted((SOURCE / "executors").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name == "stats":
+                annotated[f"{path.stem}:{node.lineno}"] = ast.unparse(node.returns)
+    assert len(annotated) >= 9  # trainer core, policy core, VLA, world model, buffer, worker, ...
+    for where, name in annotated.items():
+        cls = getattr(relayrl.types, name, None)
+        assert dataclasses.is_dataclass(cls), f"{where}: stats() returns {name}"
+        assert cls.__dataclass_params__.frozen, f"{where}: {name} is not frozen"
