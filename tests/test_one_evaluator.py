@@ -1,6 +1,7 @@
 """One evaluator: ``relayrl eval RUN`` on a run's saved checkpoint reports, task by task, what the
 run's final in-run evaluation reported (embodied and LLM); and the lockstep loop hands the
-segments to the trainer by reference, so none passes through the driver."""
+segments to the trainer by reference, so no segment or observation (collected or evaluated)
+passes through the driver."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from conftest import SMALL_EMBODIED, SMALL_LLM, check_books, tiny_config
 
 from relayrl import controller
 from relayrl.cli import main
+from relayrl.envs.embodied import Observation
 from relayrl.job import train
 from relayrl.types import Segment
 
@@ -29,15 +31,16 @@ def test_a_lockstep_runs_segments_skip_the_driver_and_eval_replays_its_final_eva
 
     loaded: list = []
 
-    def counted(self, state):  # unpickling a Segment in this process goes through here
-        loaded.append(state)
+    def counted(self, state):  # unpickling one in this process goes through here
+        loaded.append(type(self).__name__)
         self.__dict__.update(state)
 
     monkeypatch.setattr(controller, "_train_step", recorded)
-    monkeypatch.setattr(Segment, "__setstate__", counted, raising=False)
+    for kind in (Segment, Observation):  # neither collecting nor evaluating passes them here
+        monkeypatch.setattr(kind, "__setstate__", counted, raising=False)
     run = tmp_path / "run"
     summary = train(cfg, run)
-    assert loaded == [], "the driver unpickled segments"
+    assert loaded == [], "the driver unpickled segments or observations"
     assert len(passed) == 2 and all(
         refs and all(isinstance(r, ray.ObjectRef) for r in refs) for refs in passed
     )
