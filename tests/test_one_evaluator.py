@@ -12,6 +12,7 @@ from conftest import SMALL_EMBODIED, SMALL_LLM, check_books, tiny_config
 
 from relayrl import controller
 from relayrl.cli import main
+from relayrl.config import save_config
 from relayrl.envs.embodied import Observation
 from relayrl.job import train
 from relayrl.types import Segment
@@ -79,3 +80,13 @@ def test_eval_of_an_llm_run_replays_its_final_held_out_evaluation(ray_session, t
         == {"addition": {"n": cfg.task.heldout_size, "accuracy": end["accuracy"]}}
     )
     assert report["accuracy"] == end["accuracy"]
+
+
+def test_eval_of_an_llm_run_refuses_the_options_its_protocol_does_not_read(tmp_path, capsys):
+    run = tmp_path / "run"
+    (run / "checkpoint").mkdir(parents=True)
+    (run / "checkpoint" / "config.json").write_text("{}")
+    save_config(tiny_config(*SMALL_LLM), run / "config.yaml")
+    assert main(["eval", str(run), "--k", "4", "--seed", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "--k, --seed:" in err and "is an LLM run" in err and len(err.splitlines()) == 1

@@ -377,10 +377,35 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
+# What an LLM run's own evaluation does not read (its protocol is the run's), with the defaults.
+NOT_FOR_RUN_EVAL = {
+    "k": 1,
+    "max_new_tokens": 256,
+    "temperature": 1.0,
+    "limit": None,
+    "workers": 2,
+    "chat_template": False,
+    "protocol": None,
+    "episodes": None,
+    "tasks": None,
+    "greedy": None,
+    "seed": None,
+}
+
+
 def _eval_llm_run(args: argparse.Namespace, cfg: Any, checkpoint: Path) -> int:
     from relayrl.evaluate import evaluate_run, format_run_report
     from relayrl.evaluate_embodied import write_report
 
+    given = [k for k, default in NOT_FOR_RUN_EVAL.items() if getattr(args, k) != default]
+    if given:
+        names = ", ".join("--" + k.replace("_", "-") for k in given)
+        print(
+            f"relayrl: {names}: '{args.path}' is an LLM run, whose own held-out evaluation is "
+            "replayed as the run played it; give --data to score other problems with them",
+            file=sys.stderr,
+        )
+        return 2
     report = evaluate_run(cfg, checkpoint)
     out = Path(args.out) if args.out else checkpoint.parent / "eval-heldout.json"
     print(format_run_report(report))
