@@ -120,6 +120,8 @@ def test_trainer_ranks_received_and_a_buffers_unreceived_steps_add_up_by_source(
     assert TrainerStats.received(ranks()) == 10 + 2 + 7
     assert TrainerStats.received(ranks(), imagined=True) == 5 + 4 + 1
     assert buffer_stats(taken_steps=25).unreceived(ranks()) == 25 - 19
+    # 4 of them were taken before a checkpoint a resume continued from, and booked dropped then
+    assert buffer_stats(taken_steps=25).unreceived(ranks(), booked=4) == 25 - 19 - 4
     assert buffer_stats(taken_steps=12).unreceived(ranks(), imagined=True) == 12 - 10
 
 
@@ -168,15 +170,16 @@ def test_embodied_books_from_stats_balance_with_a_dead_worker_and_a_fetch_ahead(
         ],
         services=[],
         buffer=buffer_stats(
-            taken_steps=60, dropped_stale_steps=2, dropped_overflow_steps=3, resident_steps=9
+            taken_steps=61, dropped_stale_steps=2, dropped_overflow_steps=3, resident_steps=9
         ),
         imagined_buffer=buffer_stats(
-            put_steps=40, taken_steps=14, dropped_overflow_steps=6, resident_steps=18
+            put_steps=40, taken_steps=16, dropped_overflow_steps=6, resident_steps=18
         ),
     )
-    assert found.unreceived() == (60 - 56, 14 - 10)
+    # Taken, less received by the ranks, less booked as dropped_resume (1 real, 2 imagined).
+    assert found.unreceived(tally) == (61 - 56 - 1, 16 - 10 - 2)
     # A dead worker (id 7) closed its last segment at 20 env steps, 4 of them env-error drops.
-    by_section = books(tally, found, {7: (20, 4)}, found.unreceived())
+    by_section = books(tally, found, {7: (20, 4)}, found.unreceived(tally))
     real = by_section["samples"]
     # generated 40 + 30 + 20 = 90 = 54 trained + (2 + 2) stale + 3 overflow + (3 + 4) error
     #   + 1 resume + 1 lost + 9 resident + 4 prefetched + (2 + 5) open
@@ -210,7 +213,7 @@ def test_embodied_books_from_stats_balance_with_a_dead_worker_and_a_fetch_ahead(
     assert section["episodes"] == 10 and section["success_rate"] == 0.3
     assert section["by_live_workers"] == 50
     # One env step more that no executor counts is a gap the books name.
-    more = books(tally, found, {7: (21, 4)}, found.unreceived())["samples"]
+    more = books(tally, found, {7: (21, 4)}, found.unreceived(tally))["samples"]
     with pytest.raises(BooksUnbalanced, match="^1 more env_steps generated"):
         more.check()
 
@@ -224,7 +227,7 @@ def test_embodied_books_balance_when_the_ranks_trained_what_was_taken():
         buffer=buffer_stats(taken_steps=8, resident_steps=1),
     )
     # 12 = 5 trained + 1 stale + 2 error + 1 resident + (8 - 6) prefetched + 1 open
-    by_section = books(tally, found, {}, found.unreceived())
+    by_section = books(tally, found, {}, found.unreceived(tally))
     assert set(by_section) == {"samples"}
     by_section["samples"].check()
 

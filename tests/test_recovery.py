@@ -150,7 +150,12 @@ def test_killed_inference_replicas_and_rollout_workers_are_replaced_and_the_book
     monkeypatch.setitem(job.WORKLOADS, "embodied", KeptEmbodied)
     cfg = tiny_config(
         *EMBODIED,
-        *(f"mode={mode}", "steps=5", f"experiment.inference_transport={transport}", "env.eval_workers=2"),
+        *(
+            f"mode={mode}",
+            "steps=5",
+            f"experiment.inference_transport={transport}",
+            "env.eval_workers=2",
+        ),
     )
     run_dir = tmp_path / "run"
     how = ("ray.kill", "os.kill") if mode == "async" else ("os.kill", "ray.kill")
@@ -202,7 +207,7 @@ class Reloaded(KeptEmbodied):
 
     def restore(self, parts):
         super().restore(parts)
-        REPORTS.append([(ray.get(told), ray.get(s)["env_steps"]) for told, s in _reports(self)])
+        REPORTS.append([(ray.get(told), ray.get(s).env_steps) for told, s in _reports(self)])
 
 
 def test_checkpoints_and_resumes_tell_the_replicas_the_books_they_load_the_workers_with(

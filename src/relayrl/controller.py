@@ -467,14 +467,14 @@ async def run_streaming(
             # With the workers stopped the buffer holds still, and the fetch ahead has taken its
             # segments or is waiting for more: the books and the snapshot agree.
             await runs.stop()
-            real, imagined = await w.prefetched()
+            real, imagined = await w.prefetched(tally)
             await ckpt.write(in_flight=real, imagined_in_flight=imagined)
             runs.start()
             ckpt.after()
     await runs.stop()
     await _serving_newest(sync, w.services, w.recovery)
     await w.finish_world_model()
-    real, imagined = await _closed(w, batch_refs)
+    real, imagined = await _closed(w, batch_refs, tally)
     return {"prefetched": real, "prefetched_imagined": imagined or 0, "occupancy": occupancy}
 
 
@@ -501,12 +501,13 @@ async def _buffer_metrics(w: SegmentWorkload, occupancy: list[float]) -> dict[st
     return {"replay/occupancy": buffer.occupancy, "samples/real_put_total": float(buffer.put_steps)}
 
 
-async def _closed(w: SegmentWorkload, batch_refs: list) -> tuple[int, int | None]:
+async def _closed(w: SegmentWorkload, batch_refs: list, tally: RunTally) -> tuple[int, int | None]:
     """Close the buffers (no worker puts now) and end the fetches still waiting (a closed one
-    takes nothing); the real and imagined env steps fetched that no trainer rank received."""
+    takes nothing); the real and imagined env steps fetched that no trainer rank received (less
+    what a resume booked as dropped, ``tally``)."""
     await asyncio.gather(*(b.close.remote() for b in w.buffers()))
     await asyncio.to_thread(ray.wait, batch_refs, num_returns=len(batch_refs), fetch_local=False)
-    return await w.prefetched()
+    return await w.prefetched(tally)
 
 
 # By (the workload's ``family``, ``mode``): a workload names the family that feeds it.

@@ -293,10 +293,14 @@ class BufferStats:
     # worker id -> (env steps, steps dropped by env errors) as of the worker's last put
     workers: dict[int, tuple[int, int]] = field(default_factory=dict)
 
-    def unreceived(self, ranks: Sequence[TrainerStats], imagined: bool = False) -> int:
+    def unreceived(
+        self, ranks: Sequence[TrainerStats], imagined: bool = False, booked: int = 0
+    ) -> int:
         """Env steps this buffer handed out that no trainer rank has received yet (a fetch
-        ahead); ``imagined`` for the imagined buffer, whose steps the ranks count apart."""
-        return self.taken_steps - TrainerStats.received(ranks, imagined)
+        ahead); ``imagined`` for the imagined buffer, whose steps the ranks count apart.
+        ``booked``: those a resume already booked as dropped (taken before the checkpoint it
+        continued from, which the restored buffer still counts as taken)."""
+        return self.taken_steps - TrainerStats.received(ranks, imagined) - booked
 
 
 @dataclass(frozen=True)

@@ -128,8 +128,9 @@ class SegmentWorkload(Workload, Protocol):
     def buffers(self) -> list[Any]:
         """The buffers the loop closes at its end."""
 
-    async def prefetched(self) -> tuple[int, int | None]:
-        """Real and imagined env steps handed out that no trainer rank has received yet."""
+    async def prefetched(self, tally: RunTally) -> tuple[int, int | None]:
+        """Real and imagined env steps handed out that no trainer rank has received yet, less
+        those ``tally`` books as dropped at a resume."""
 
     async def after_step(self, step: int) -> dict[str, float]:
         """After policy step ``step``: what runs beside the loop (a world-model round)."""

@@ -491,16 +491,18 @@ class EmbodiedWorkload:
             )
         ]
 
-    async def prefetched(self) -> tuple[int, int | None]:
+    async def prefetched(self, tally: RunTally) -> tuple[int, int | None]:
         """Real and imagined env steps the buffers handed out that no trainer rank has received
-        yet (a fetch ahead; imagined None without imagination); only exact while no worker
-        puts."""
+        yet (a fetch ahead; imagined None without imagination), less those ``tally`` books as
+        dropped at a resume; only exact while no worker puts."""
         ranks = await asyncio.gather(*(r.stats.remote() for r in self.trainer))
-        real = (await self.replay_buffer.stats.remote()).unreceived(ranks)
+        buffer = await self.replay_buffer.stats.remote()
+        real = buffer.unreceived(ranks, booked=tally.dropped_resume)
         if not self.imagining:
             return real, None
         imagined = await self.imagined_buffer.stats.remote()
-        return real, imagined.unreceived(ranks, imagined=True)
+        booked = tally.imagined_dropped_resume
+        return real, imagined.unreceived(ranks, imagined=True, booked=booked)
 
     def buffers(self) -> list[Any]:
         """The replay buffer, and ``B_img`` with imagination."""
@@ -621,7 +623,7 @@ class EmbodiedWorkload:
         """The books of a run that stopped early, asked of the executors (the env steps are
         counted where they are played); raises if an executor does not answer."""
         found = self._stats(timeout=self.cfg.sync.timeout_s, whole=False)
-        return books(tally, found, self.retired, found.unreceived())
+        return books(tally, found, self.retired, found.unreceived(tally))
 
     def _stats(self, timeout: float | None = None, *, whole: bool = True) -> EmbodiedStats:
         """The executors' stats now: those the books need, and unless ``whole`` is false the

@@ -36,12 +36,15 @@ class EmbodiedStats:
     world_model: WorldModelStats | None = None
     wm_services: Sequence[ServiceStats] = ()
 
-    def unreceived(self) -> tuple[int, int]:
+    def unreceived(self, tally: RunTally) -> tuple[int, int]:
         """Real and imagined env steps the buffers handed out that no trainer rank has received
-        (a fetch ahead); exact only while no worker puts."""
-        real = self.buffer.unreceived(self.trainers)
-        imagined = self.imagined_buffer
-        return real, imagined.unreceived(self.trainers, imagined=True) if imagined else 0
+        (a fetch ahead), less those the run's resumes booked as ``dropped_resume``; exact only
+        while no worker puts."""
+        real = self.buffer.unreceived(self.trainers, booked=tally.dropped_resume)
+        if (imagined := self.imagined_buffer) is None:
+            return real, 0
+        booked = tally.imagined_dropped_resume
+        return real, imagined.unreceived(self.trainers, imagined=True, booked=booked)
 
 
 def real_books(
