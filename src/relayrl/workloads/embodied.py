@@ -2,15 +2,12 @@
 replicas for actions; segments reach the trainer group (sync: collected in lockstep; async:
 streamed through the replay buffer), which recomputes values and GAE and applies GIPO.
 
-With ``imagination.episodes_per_real > 0`` (AcceRL-WM, async mode) three more roles are placed: the
-``world_model_trainer`` (M_obs and M_reward, and ``B_wm``), ``world_model_service`` replicas (an
-``InferenceService`` answering imagination requests) and the ``imagined_buffer`` (``B_img``, a
-replay buffer of imagined segments). Each worker hands its real episodes to ``B_wm`` and steps
-``WorldModelEnv`` slots beside its real envs (``relayrl.executors.imagination``), their segments
-going to ``B_img``; every super-batch takes
-``imagination.real_ratio`` of its env steps from the replay buffer and the rest from ``B_img``;
-after every policy step the world-model trainer runs its round (T_obs, T_reward) beside the loop
-and its new version is published to the world-model replicas once the round ends. Imagined env
+With ``imagination.episodes_per_real > 0`` (AcceRL-WM, async mode) the world-model roles join
+(``relayrl.workloads.embodied_world_model``): each worker hands its real episodes to ``B_wm`` and
+steps ``WorldModelEnv`` slots beside its real envs (``relayrl.executors.imagination``), their
+segments going to ``B_img``; every super-batch takes ``imagination.real_ratio`` of its env steps
+from the replay buffer and the rest from ``B_img``; after every policy step the world-model
+trainer runs its round (T_obs, T_reward) beside the loop. Imagined env
 steps keep books of their own, as real ones do: generated (put into ``B_img``) = trained +
 dropped (stale, overflow) + in flight (resident, prefetched).
 
@@ -30,37 +27,30 @@ import ray
 from relayrl.channels.act_socket import SocketServiceClient
 from relayrl.config import Config
 from relayrl.envs.embodied import EmbodiedEnv
-from relayrl.executors.imagination import Imagination, ImaginationSettings
 from relayrl.executors.inference_service import InferenceService
 from relayrl.executors.replay_buffer import ReplayBuffer
 from relayrl.executors.rollout_worker import Collected, RolloutWorker
 from relayrl.executors.vla_trainer import VLATrainer
 from relayrl.executors.worker_side import (
-    BufferSink,
-    EpisodeSink,
     ServiceClient,
     TaskSampler,
-    WorldModelClient,
     build_env,
     set_task_weights,
     set_worker_id,
 )
-from relayrl.executors.world_model_trainer import WorldModelTrainer
-from relayrl.launch import connect_weight_sync, form_trainer_group, publish_weights
+from relayrl.launch import form_trainer_group, publish_weights
 from relayrl.models.vla import VLAPolicy, vla_config
-from relayrl.models.world_model import SuccessModel, build_obs_model, world_model_configs
-from relayrl.models.world_model.serving import WorldModel, world_model_replies
 from relayrl.observability.books import Books
 from relayrl.observability.metrics import MetricsLog, RunTally, say
-from relayrl.recovery import DEATHS, ExecutorFailed, Recovery, alive, first_line
+from relayrl.recovery import DEATHS, Recovery, alive
 from relayrl.roles import Group, Placed, Role, ray_resources
 from relayrl.workloads import embodied_eval
 from relayrl.workloads.embodied_summary import EmbodiedStats, books, summary_sections
-from relayrl.workloads.saved_models import check_saved_vla, check_saved_world_model
+from relayrl.workloads.embodied_world_model import EmbodiedWorldModel
+from relayrl.workloads.saved_models import check_saved_vla
 from relayrl.workloads.task_choice import TaskChoice
 
 SERVICE_SEED = 2 * 10**6  # inference replica i samples actions from seed run.seed + this + i
-WM_SEED = 3 * 10**6  # world-model replica i, and worker i's imagination, from run.seed + this + i
 
 
 class EmbodiedWorkload:
@@ -83,9 +73,7 @@ class EmbodiedWorkload:
         self.worker_ids: list[int] = []
         self.recovery: Recovery | None = None  # set once weight sync is connected
         self.run_dir = None  # set by relayrl.job.train
-        self.wm_sync: Any = None
-        self.wm_round: Any = None  # the world-model trainer's round in progress (a ref per rank)
-        self.wm_version = 0  # the world-model version the replicas were last handed
+        self.wm: EmbodiedWorldModel | None = None  # with imagination, once placed
         greedy = "greedy" if cfg.env.eval_greedy else "sampled"
         self.legend = {"eval_label": f"evaluation success ({greedy})"}
 
@@ -109,30 +97,20 @@ class EmbodiedWorkload:
                 raise ValueError(f"env.tasks {unknown} are not tasks of {cfg.env.suite}: {tasks}")
             tasks = tuple(cfg.env.tasks)
         self.tasks = tasks
-        image_size = cfg.env.image_size
         vla = vla_config(
-            cfg.vla, image_size=image_size, views=views, dims=space.dims, vocab=space.vocab
+            cfg.vla, image_size=cfg.env.image_size, views=views, dims=space.dims, vocab=space.vocab
         )
         if cfg.vla.path is not None:
             check_saved_vla(cfg.vla.path, vla)
-        if self.imagining and cfg.world_model.path is not None:
-            wanted = world_model_configs(
-                cfg.world_model,
-                image_size=image_size,
-                instruction_tokens=cfg.vla.instruction_tokens,
-                views=views,
-                dims=space.dims,
-                vocab=space.vocab,
-            )
-            check_saved_world_model(cfg.world_model.path, *wanted)
         self.vla = vla
-        self.dims, self.vocab, self.views = space.dims, space.vocab, views
+        if self.imagining:
+            self.wm = EmbodiedWorldModel(cfg, views=views, dims=space.dims, vocab=space.vocab)
         self.worker_ids = list(range(cfg.rollout.workers))
         self.choice = TaskChoice(cfg, tasks)
         self.placed = Placed.place(cfg.placement, self.table())
         form_trainer_group(self.trainer)
-        if self.imagining:
-            self._wire_world_model()
+        if self.wm is not None:
+            self.wm.wire(self.placed)
 
     def table(self) -> list[Role]:
         """The role table (once ``place`` has probed the env): the trainer ranks, the inference
@@ -199,7 +177,7 @@ class EmbodiedWorkload:
             ),
             embodied_eval.evaluator_role(self),
         ]
-        return rows + (self._world_model_table() if self.imagining else [])
+        return rows + (self.wm.table() if self.wm is not None else [])
 
     @property
     def imagining(self) -> bool:
@@ -227,110 +205,10 @@ class EmbodiedWorkload:
         return self.placed["evaluator"]
 
     @property
-    def wm_trainer(self) -> Group:
-        """The world-model trainer ranks (empty without imagination)."""
-        return self.placed["world_model_trainer"]
-
-    @property
-    def wm_services(self) -> Group:
-        """The world-model replicas (empty without imagination)."""
-        return self.placed["world_model_service"]
-
-    @property
     def replay_buffer(self) -> Any:
         """The replay buffer (None before placement)."""
         found = self.placed["replay_buffer"]
         return found[0] if len(found) else None
-
-    @property
-    def imagined_buffer(self) -> Any:
-        """``B_img`` (None without imagination)."""
-        found = self.placed["imagined_buffer"]
-        return found[0] if len(found) else None
-
-    def _world_model_table(self) -> list[Role]:
-        """The world-model trainer, its service replicas and ``B_img``: none is replaced (the
-        trainer holds ``B_wm``, which would be lost with it)."""
-        cfg, wm = self.cfg, self.cfg.world_model
-        obs_cfg, reward_cfg = world_model_configs(
-            wm,
-            image_size=cfg.env.image_size,
-            instruction_tokens=cfg.vla.instruction_tokens,
-            views=self.views,
-            dims=self.dims,
-            vocab=self.vocab,
-        )
-        resources = ray_resources(wm.resources)
-        return [
-            Role(
-                "world_model_trainer",
-                WorldModelTrainer,
-                wm.ranks,
-                lambda r, _: ((cfg, obs_cfg, reward_cfg), {"rank": r, "world": wm.ranks}),
-                **resources,
-                keeps="both models, optimizer, version, B_wm",
-                saved="state_dict",
-                traced=True,
-                close="close_sync",
-                options={"max_concurrency": 2},
-            ),
-            Role(
-                "world_model_service",
-                InferenceService,
-                wm.replicas,
-                lambda i, _: (
-                    (WorldModel(build_obs_model(obs_cfg), SuccessModel(reward_cfg)),),
-                    {
-                        "max_batch": wm.max_batch,
-                        "max_wait_ms": wm.max_wait_ms,
-                        "threads": cfg.ray.threads_per_executor,
-                        "sync_timeout_s": cfg.sync.timeout_s,
-                        "seed": cfg.run.seed + WM_SEED + i,
-                        "batch_fn": world_model_replies,
-                        "name": "world_model_service",
-                    },
-                ),
-                **resources,
-                receives="world_model_trainer",
-                keeps="sampling generator",
-                saved="state_dict",
-                traced=True,
-            ),
-            Role(
-                "imagined_buffer",
-                ReplayBuffer,
-                1,
-                lambda i, _: (
-                    (cfg.imagination.buffer_steps,),
-                    {"max_staleness": cfg.max_staleness},
-                ),
-                **ray_resources(cfg.trainer.resources),
-                keeps="its segments and books",
-                saved="state_dict",
-                options={"max_concurrency": 4},
-            ),
-        ]
-
-    def _wire_world_model(self) -> None:
-        """Form the world-model trainer's group and give every rollout worker its imagination
-        (``WorldModelEnv`` slots stepping through its replica, ``B_img``, ``B_wm``)."""
-        cfg = self.cfg
-        form_trainer_group(self.wm_trainer)
-        settings = ImaginationSettings.from_config(cfg)
-        ray.get(
-            [
-                worker.set_imagination.remote(
-                    Imagination(
-                        settings,
-                        WorldModelClient(self.wm_services[i % len(self.wm_services)]),
-                        BufferSink(self.imagined_buffer),
-                        EpisodeSink(self.wm_trainer[0]),
-                        seed=cfg.run.seed + WM_SEED + 1000 + i,
-                    )
-                )
-                for i, worker in enumerate(self.workers)
-            ]
-        )
 
     def _service(self, i: int, incarnation: int) -> tuple[tuple, dict[str, Any]]:
         """Inference replica ``i``'s constructor arguments; its initial weights are replaced by
@@ -468,17 +346,8 @@ class EmbodiedWorkload:
             ]
         )
         ray.get(self._report_loaded(parts))
-        if self.imagining:  # the replicas serve the world model the checkpoint holds
-            self._serve_world_model()
-
-    def _serve_world_model(self) -> None:
-        """Connect the world-model replicas to the trainer's rank 0 (the ranks hold the same
-        weights whole) and serve the version it holds."""
-        publisher = Group(self.wm_trainer.role, self.wm_trainer.actors[:1])
-        receivers = self.placed.receivers("world_model_trainer")
-        self.wm_sync = connect_weight_sync(self.cfg, publisher, receivers)
-        ray.get(list(self.wm_sync.publish().values()))
-        self.wm_version = ray.get(self.wm_trainer[0].stats.remote()).version
+        if self.wm is not None:  # the replicas serve the world model the checkpoint holds
+            self.wm.serve()
 
     def _report_loaded(self, parts: dict[str, Any]) -> list:
         """Tell each rollout worker's inference replica the env steps the worker was loaded with
@@ -498,69 +367,43 @@ class EmbodiedWorkload:
         ranks = await asyncio.gather(*(r.stats.remote() for r in self.trainer))
         buffer = await self.replay_buffer.stats.remote()
         real = buffer.unreceived(ranks, booked=tally.dropped_resume)
-        if not self.imagining:
+        if self.wm is None:
             return real, None
-        imagined = await self.imagined_buffer.stats.remote()
+        imagined = await self.wm.buffer.stats.remote()
         booked = tally.imagined_dropped_resume
         return real, imagined.unreceived(ranks, imagined=True, booked=booked)
 
     def buffers(self) -> list[Any]:
         """The replay buffer, and ``B_img`` with imagination."""
-        return [self.replay_buffer, *([self.imagined_buffer] if self.imagined_buffer else [])]
+        return [self.replay_buffer, *([self.wm.buffer] if self.wm is not None else [])]
 
     def fetch(self, version: int) -> list[Any]:
         """Refs to the next super-batch's parts for a trainer at ``version``: the real segments
         (``replay.batch_steps``, or ``imagination.real_ratio`` of it), then the imagined ones."""
         steps = self.cfg.replay.batch_steps
-        if not self.imagining:
+        if self.wm is None:
             return [self.replay_buffer.get.remote(steps, version)]
         real = round(self.cfg.imagination.real_ratio * steps)
         parts = [self.replay_buffer.get.remote(real, version)] if real else []
         if steps - real:
-            parts.append(self.imagined_buffer.get.remote(steps - real, version))
+            parts.append(self.wm.buffer.get.remote(steps - real, version))
         return parts
 
     async def after_step(self, step: int) -> dict[str, float]:
-        """After policy step ``step``: hand a finished world-model round's version to the
-        replicas and start the round due now; its metrics once it ends."""
-        if not self.imagining:
-            return {}
-        out: dict[str, float] = {}
-        if self.wm_round is not None:
-            done, _ = await asyncio.to_thread(
-                ray.wait, self.wm_round, num_returns=len(self.wm_round), timeout=0
-            )
-            if len(done) < len(self.wm_round):
-                return out
-            out = await self.finish_world_model()
-        self.wm_round = [rank.train.remote(step) for rank in self.wm_trainer]
-        return out
+        """After policy step ``step``: the world-model round (``EmbodiedWorldModel.after_step``)."""
+        return await self.wm.after_step(step) if self.wm is not None else {}
 
     async def finish_world_model(self) -> dict[str, float]:
-        """Wait for the world-model round in progress (if any), publish the version it trained
-        to the replicas; its metrics."""
-        if self.wm_round is None:
-            return {}
-        rounds, self.wm_round = self.wm_round, None
-        try:
-            found, *_ = await asyncio.gather(*rounds)  # every rank ends the round alike
-        except DEATHS as err:  # not replaced: B_wm and the round would be lost with it
-            for name, rank in self.wm_trainer.named().items():
-                if not await alive(rank):
-                    raise ExecutorFailed(name, first_line(err)) from err
-            raise
-        if found.version > self.wm_version:
-            await asyncio.gather(*self.wm_sync.publish().values())
-            self.wm_version = found.version
-        return dict(found.metrics)
+        """Wait for the world-model round in progress (if any) and publish its version."""
+        return await self.wm.finish() if self.wm is not None else {}
 
     def prepare(self, log: MetricsLog) -> dict:
         """Publish version 0, check ``env.eval_tasks``, evaluate, and give the workers their
         first task weights."""
         cfg = self.cfg
         ray.get(publish_weights(self.trainer, self.receivers()))
-        if self.imagining:  # the replicas serve the world-model trainer's version 0 first
-            self._serve_world_model()
+        if self.wm is not None:  # the replicas serve the world-model trainer's version 0 first
+            self.wm.serve()
         if cfg.env.eval_tasks is not None:
             unknown = sorted(set(cfg.env.eval_tasks) - set(self.tasks))
             if unknown or not cfg.env.eval_tasks:
@@ -633,13 +476,14 @@ class EmbodiedWorkload:
         def get(refs: Any) -> Any:
             return ray.get(refs, timeout=timeout)
 
-        imagined, served = self.imagined_buffer, whole and self.imagining
+        wm = self.wm
+        served = whole and wm is not None
         return EmbodiedStats(
             workers=get([w.stats.remote() for w in self.workers]),
             trainers=get([r.stats.remote() for r in self.trainer]),
             services=get([s.stats.remote() for s in self.services]) if whole else (),
             buffer=get(self.replay_buffer.stats.remote()),
-            imagined_buffer=get(imagined.stats.remote()) if imagined is not None else None,
-            world_model=get(self.wm_trainer[0].stats.remote()) if served else None,
-            wm_services=get([s.stats.remote() for s in self.wm_services]) if served else (),
+            imagined_buffer=get(wm.buffer.stats.remote()) if wm is not None else None,
+            world_model=get(wm.trainer[0].stats.remote()) if served else None,
+            wm_services=get([s.stats.remote() for s in wm.services]) if served else (),
         )
