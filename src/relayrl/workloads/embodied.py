@@ -35,7 +35,6 @@ from relayrl.executors.worker_side import (
     ServiceClient,
     TaskSampler,
     build_env,
-    set_task_weights,
     set_worker_id,
 )
 from relayrl.launch import form_trainer_group, publish_weights
@@ -242,7 +241,7 @@ class EmbodiedWorkload:
     def _renew_worker(self, worker: Any, index: int, incarnation: int) -> None:
         """A replaced rollout worker goes on under its new id, drawing tasks as the others do."""
         self.worker_ids[index] = index + incarnation * self.cfg.rollout.workers
-        ray.get(worker.__ray_call__.remote(set_task_weights, self.choice.weights()))
+        ray.get(self.choice.push([worker]))
 
     async def retire(self, index: int) -> int | None:
         """Keep the books of dead rollout worker ``index`` as of the last segment it closed (from
@@ -414,8 +413,7 @@ class EmbodiedWorkload:
         say(f"evaluating {cfg.env.eval_episodes} episodes before RL")
         start = asyncio.run(self.evaluate())
         log.log(0, {f"eval/{k}": v for k, v in start.items() if k != "per_task"})
-        weights = self.choice.weights()
-        ray.get([w.__ray_call__.remote(set_task_weights, weights) for w in self.workers])
+        ray.get(self.choice.push(self.workers))
         return {"eval": {"start": start}}
 
     async def evaluate(self) -> dict:
@@ -424,33 +422,8 @@ class EmbodiedWorkload:
         return await embodied_eval.evaluate(self)
 
     async def episode_feedback(self, step: int) -> dict[str, float]:
-        """Drain the workers' finished episodes into DWR and the curriculum, push the new task
-        weights to the workers' samplers, and return the rollout success rate of those episodes and
-        the newest stage's success over its window (the curriculum's promotion measure)."""
-        choice = self.choice
-        drained = await asyncio.gather(
-            *(w.episode_results.remote() for w in self.workers), return_exceptions=True
-        )
-        for found in drained:  # a worker that died is replaced by the loop
-            if isinstance(found, BaseException) and not isinstance(found, DEATHS):
-                raise found
-        results = [r for rs in drained if not isinstance(rs, BaseException) for r in rs]
-        for r in results:
-            choice.record(r.task, r.success)
-        opened = choice.curriculum.advance(step) if choice.curriculum is not None else None
-        if opened is not None or (self.cfg.rollout.dwr and results):
-            weights = choice.weights()
-            for worker in self.workers:
-                worker.__ray_call__.remote(set_task_weights, weights)
-        out = {"rollout/episodes": float(len(results))}
-        if results:
-            out["rollout/success_rate"] = sum(r.success for r in results) / len(results)
-        if (c := choice.curriculum) is not None:
-            out["curriculum/stage"] = float(c.stage)
-            out["curriculum/stage_episodes"] = float(len(c.outcomes))
-            if c.outcomes:
-                out["curriculum/stage_success"] = c.success_rate()
-        return out
+        """Feed the workers' finished episodes to the task choice (``TaskChoice.feedback``)."""
+        return await self.choice.feedback(self.workers, step)
 
     def finish(self, tally: RunTally, loop: dict, rl_wall: float) -> dict:
         """Evaluate again; the eval, dwr and curriculum sections, and the rollout, perf,
@@ -458,8 +431,7 @@ class EmbodiedWorkload:
         end = asyncio.run(self.evaluate())
         return summary_sections(self.cfg, tally, self._stats(), self.retired, loop, rl_wall) | {
             "eval": {"end": end},
-            "dwr": {"enabled": self.cfg.rollout.dwr, "weights": self.choice.dwr.weights()},
-            "curriculum": self.choice.summary(),
+            **self.choice.summary(),
         }
 
     def partial_books(self, tally: RunTally) -> dict[str, Books]:

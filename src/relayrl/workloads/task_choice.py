@@ -1,13 +1,18 @@
 """The task choice of an embodied run: how each new training episode's task is drawn, from
 DWR's weights (``relayrl.algorithms.dwr``) masked by the curriculum's open stages
 (``relayrl.algorithms.curriculum``). The workload feeds it finished episodes and pushes its
-weights into the rollout workers' task samplers; a checkpoint keeps its state."""
+weights into the rollout workers' task samplers (``feedback``); a checkpoint keeps its state."""
 
 from __future__ import annotations
+
+import asyncio
+from typing import Any
 
 from relayrl.algorithms.curriculum import Curriculum
 from relayrl.algorithms.dwr import DynamicWeightedResampler
 from relayrl.config import Config
+from relayrl.executors.worker_side import set_task_weights
+from relayrl.recovery import DEATHS
 
 
 class TaskChoice:
@@ -61,15 +66,51 @@ class TaskChoice:
         total = sum(base.values())
         return [w / total for w in base.values()]
 
+    def push(self, workers: Any) -> list:
+        """Set the task weights of every one of ``workers``' samplers (refs to the calls)."""
+        weights = self.weights()
+        return [w.__ray_call__.remote(set_task_weights, weights) for w in workers]
+
+    async def feedback(self, workers: Any, step: int) -> dict[str, float]:
+        """Drain ``workers``' finished episodes into DWR and the curriculum before trainer step
+        ``step``, push the new task weights to their samplers, and return the rollout success
+        rate of those episodes and the newest stage's success over its window (the curriculum's
+        promotion measure)."""
+        drained = await asyncio.gather(
+            *(w.episode_results.remote() for w in workers), return_exceptions=True
+        )
+        for found in drained:  # a worker that died is replaced by the loop
+            if isinstance(found, BaseException) and not isinstance(found, DEATHS):
+                raise found
+        results = [r for rs in drained if not isinstance(rs, BaseException) for r in rs]
+        for r in results:
+            self.record(r.task, r.success)
+        opened = self.curriculum.advance(step) if self.curriculum is not None else None
+        if opened is not None or (self.use_dwr and results):
+            self.push(workers)  # the next reset draws with them; nothing waits for it
+        out = {"rollout/episodes": float(len(results))}
+        if results:
+            out["rollout/success_rate"] = sum(r.success for r in results) / len(results)
+        if (c := self.curriculum) is not None:
+            out["curriculum/stage"] = float(c.stage)
+            out["curriculum/stage_episodes"] = float(len(c.outcomes))
+            if c.outcomes:
+                out["curriculum/stage_success"] = c.success_rate()
+        return out
+
     def summary(self) -> dict:
-        """The curriculum's section of summary.json."""
+        """The dwr and curriculum sections of summary.json."""
         c = self.curriculum
+        dwr = {"enabled": self.use_dwr, "weights": self.dwr.weights()}
         if c is None:
-            return {"enabled": False}
+            return {"dwr": dwr, "curriculum": {"enabled": False}}
         return {
-            "enabled": True,
-            "stages": list(c.stages),
-            "stage": c.current,
-            "opened_at_step": dict(zip(c.stages, c.opened_at, strict=False)),
-            "stage_success_rate": c.success_rate(),
+            "dwr": dwr,
+            "curriculum": {
+                "enabled": True,
+                "stages": list(c.stages),
+                "stage": c.current,
+                "opened_at_step": dict(zip(c.stages, c.opened_at, strict=False)),
+                "stage_success_rate": c.success_rate(),
+            },
         }
