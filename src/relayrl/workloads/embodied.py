@@ -7,9 +7,9 @@ With ``imagination.episodes_per_real > 0`` (AcceRL-WM, async mode) the world-mod
 steps ``WorldModelEnv`` slots beside its real envs (``relayrl.executors.imagination``), their
 segments going to ``B_img``; every super-batch takes ``imagination.real_ratio`` of its env steps
 from the replay buffer and the rest from ``B_img``; after every policy step the world-model
-trainer runs its round (T_obs, T_reward) beside the loop. Imagined env
-steps keep books of their own, as real ones do: generated (put into ``B_img``) = trained +
-dropped (stale, overflow) + in flight (resident, prefetched).
+trainer runs its round (T_obs, T_reward) beside the loop. Imagined env steps keep books of
+their own, as real ones do: generated (put into ``B_img``) = trained + dropped (stale, overflow)
++ in flight (resident, prefetched).
 
 Samples are env steps; ``relayrl.workloads.embodied_summary`` keeps their books and writes the
 summary's sections.
@@ -31,12 +31,7 @@ from relayrl.executors.inference_service import InferenceService
 from relayrl.executors.replay_buffer import ReplayBuffer
 from relayrl.executors.rollout_worker import Collected, RolloutWorker
 from relayrl.executors.vla_trainer import VLATrainer
-from relayrl.executors.worker_side import (
-    ServiceClient,
-    TaskSampler,
-    build_env,
-    set_worker_id,
-)
+from relayrl.executors.worker_side import ServiceClient, TaskSampler, build_env, set_worker_id
 from relayrl.launch import form_trainer_group, publish_weights
 from relayrl.models.vla import VLAPolicy, vla_config
 from relayrl.observability.books import Books
@@ -102,7 +97,7 @@ class EmbodiedWorkload:
         if cfg.vla.path is not None:
             check_saved_vla(cfg.vla.path, vla)
         self.vla = vla
-        if self.imagining:
+        if cfg.imagination is not None:
             self.wm = EmbodiedWorldModel(cfg, views=views, dims=space.dims, vocab=space.vocab)
         self.worker_ids = list(range(cfg.rollout.workers))
         self.choice = TaskChoice(cfg, tasks)
@@ -177,11 +172,6 @@ class EmbodiedWorkload:
             embodied_eval.evaluator_role(self),
         ]
         return rows + (self.wm.table() if self.wm is not None else [])
-
-    @property
-    def imagining(self) -> bool:
-        """Whether the run imagines (``imagination.episodes_per_real > 0``)."""
-        return self.cfg.imagination is not None
 
     @property
     def trainer(self) -> Group:
@@ -366,11 +356,7 @@ class EmbodiedWorkload:
         ranks = await asyncio.gather(*(r.stats.remote() for r in self.trainer))
         buffer = await self.replay_buffer.stats.remote()
         real = buffer.unreceived(ranks, booked=tally.dropped_resume)
-        if self.wm is None:
-            return real, None
-        imagined = await self.wm.buffer.stats.remote()
-        booked = tally.imagined_dropped_resume
-        return real, imagined.unreceived(ranks, imagined=True, booked=booked)
+        return real, (await self.wm.unreceived(ranks, tally) if self.wm is not None else None)
 
     def buffers(self) -> list[Any]:
         """The replay buffer, and ``B_img`` with imagination."""
@@ -380,13 +366,9 @@ class EmbodiedWorkload:
         """Refs to the next super-batch's parts for a trainer at ``version``: the real segments
         (``replay.batch_steps``, or ``imagination.real_ratio`` of it), then the imagined ones."""
         steps = self.cfg.replay.batch_steps
-        if self.wm is None:
-            return [self.replay_buffer.get.remote(steps, version)]
-        real = round(self.cfg.imagination.real_ratio * steps)
-        parts = [self.replay_buffer.get.remote(real, version)] if real else []
-        if steps - real:
-            parts.append(self.wm.buffer.get.remote(steps - real, version))
-        return parts
+        if self.wm is not None:
+            return self.wm.fetch(self.replay_buffer, steps, version)
+        return [self.replay_buffer.get.remote(steps, version)]
 
     async def after_step(self, step: int) -> dict[str, float]:
         """After policy step ``step``: the world-model round (``EmbodiedWorldModel.after_step``)."""

@@ -12,6 +12,7 @@ it trained is published to the replicas once the round ends.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from typing import Any
 
 import ray
@@ -25,8 +26,10 @@ from relayrl.executors.world_model_trainer import WorldModelTrainer
 from relayrl.launch import connect_weight_sync, form_trainer_group
 from relayrl.models.world_model import SuccessModel, build_obs_model, world_model_configs
 from relayrl.models.world_model.serving import WorldModel, world_model_replies
+from relayrl.observability.metrics import RunTally
 from relayrl.recovery import DEATHS, ExecutorFailed, alive, first_line
 from relayrl.roles import Group, Placed, Role, ray_resources
+from relayrl.types import TrainerStats
 from relayrl.workloads.saved_models import check_saved_world_model
 
 WM_SEED = 3 * 10**6  # world-model replica i, and worker i's imagination, from run.seed + this + i
@@ -156,6 +159,21 @@ class EmbodiedWorldModel:
         self.sync = connect_weight_sync(self.cfg, publisher, receivers)
         ray.get(list(self.sync.publish().values()))
         self.version = ray.get(self.trainer[0].stats.remote()).version
+
+    def fetch(self, replay_buffer: Any, steps: int, version: int) -> list[Any]:
+        """Refs to a super-batch of ``steps`` env steps for a trainer at ``version``:
+        ``imagination.real_ratio`` of them from ``replay_buffer``, then the rest from ``B_img``."""
+        real = round(self.cfg.imagination.real_ratio * steps)
+        parts = [replay_buffer.get.remote(real, version)] if real else []
+        if steps - real:
+            parts.append(self.buffer.get.remote(steps - real, version))
+        return parts
+
+    async def unreceived(self, ranks: Sequence[TrainerStats], tally: RunTally) -> int:
+        """Imagined env steps ``B_img`` handed out that none of the trainer ranks (``ranks``:
+        their stats) has received yet, less those ``tally`` books as dropped at a resume."""
+        imagined = await self.buffer.stats.remote()
+        return imagined.unreceived(ranks, imagined=True, booked=tally.imagined_dropped_resume)
 
     async def after_step(self, step: int) -> dict[str, float]:
         """After policy step ``step``: hand a finished round's version to the replicas and start
