@@ -197,13 +197,12 @@ def _reports(w: EmbodiedWorkload) -> list:
 
 
 class Reloaded(KeptEmbodied):
-    """Records ``REPORTS`` after each checkpoint reloads the rollout workers and each resume
-    loads them."""
+    """Records ``REPORTS`` after each checkpoint reloads the rollout workers (``realign``) and
+    each resume loads them."""
 
-    async def snapshot(self):
-        parts = await super().snapshot()
+    async def realign(self, parts):
+        await super().realign(parts)
         REPORTS.append([(await told, (await stats).env_steps) for told, stats in _reports(self)])
-        return parts
 
     def restore(self, parts):
         super().restore(parts)
