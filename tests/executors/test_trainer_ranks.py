@@ -281,7 +281,7 @@ def test_a_non_finite_loss_on_one_rank_skips_the_step_on_every_rank(ray_session,
         assert [(r.stepped, r.version, r.skipped_nonfinite) for r in results] == [(False, 1, 1)] * 2
         merged = StepResult.merge(results)
         assert not merged.stepped and merged.skipped_nonfinite == 1
-        assert [s["skipped_nonfinite"] for s in on_all(ranks, "stats")] == [2, 2]
+        assert [s.skipped_nonfinite for s in on_all(ranks, "stats")] == [2, 2]
         # The group steps on as the one trainer that never saw the two bad steps.
         assert_merged_books(on_all(ranks, "train_step", ray.put(good[1])), one.train_step(good[1]))
         on_all(ranks, "save_pretrained", str(tmp_path / "two"))
