@@ -247,13 +247,6 @@ def eval_env(cfg: Config, protocol: str, seed: int) -> Callable[[], EmbodiedEnv]
     return functools.partial(build_env, cfg.env.model_copy(update=update), seed)
 
 
-def policy_weights(trainer: Any) -> dict[str, Any]:
-    """Run inside every trainer rank (``rank.__ray_call__.remote(policy_weights)``): its version
-    and the policy's full weights, what ``save_pretrained`` writes (in a sharded group gathered
-    onto rank 0, a collective: call it on every rank and take rank 0's)."""
-    return {"version": trainer.version, "weights": trainer._full_model_state()}
-
-
 def heldout_result(task: str, score: dict[str, Any], version: int | None, time_s: float) -> dict:
     """The LLM protocol's result: held-out accuracy (the rewarder's mean reward over the
     greedy completions, ``score`` its summary), overall and under the task's name, with the

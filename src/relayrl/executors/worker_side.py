@@ -213,3 +213,10 @@ class EpisodeSink:
 
     def __call__(self, episodes: list[Any]) -> None:
         ray.get(self.trainer.add_episodes.remote(episodes))
+
+
+def policy_weights(trainer: Any) -> dict[str, Any]:
+    """Run inside every trainer rank (``rank.__ray_call__.remote(policy_weights)``): its version
+    and the policy's full weights, what ``save_pretrained`` writes (in a sharded group gathered
+    onto rank 0, a collective: call it on every rank and take rank 0's)."""
+    return {"version": trainer.version, "weights": trainer._full_model_state()}

@@ -19,9 +19,9 @@ from relayrl.executors.evaluator import (
     EvalProtocol,
     Evaluator,
     eval_env,
-    policy_weights,
     protocol_name,
 )
+from relayrl.executors.worker_side import policy_weights
 from relayrl.recovery import DEATHS, ExecutorFailed, alive, first_line
 from relayrl.roles import Role, ray_resources
 
