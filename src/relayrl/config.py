@@ -379,9 +379,18 @@ class TrainerConfig(_Section):
     )
     lr: float = Field(3e-4, gt=0, description="AdamW learning rate.")
     lr_schedule: Literal["constant", "cosine"] = Field(
-        "cosine", description="cosine: decay from lr to lr * lr_final_ratio over the RL steps."
+        "cosine",
+        description="cosine: decay from lr to lr * lr_final_ratio over the RL steps (after "
+        "the warmup).",
     )
     lr_final_ratio: float = Field(0.1, ge=0, le=1, description="Final lr as a fraction of lr.")
+    lr_warmup_steps: int = Field(
+        0,
+        ge=0,
+        description="Linear warmup over the first train steps (versions): step u (from 0) runs "
+        "at lr * min(1, (u + 1) / lr_warmup_steps) times the schedule; cosine then decays over "
+        "the steps after the warmup. 0: none.",
+    )
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     grad_clip: float = Field(1.0, gt=0, description="Global gradient-norm clip.")
     aipo_rho: float = Field(4.0, gt=0, description="AIPO truncation rho (LlamaRL uses 2..10).")

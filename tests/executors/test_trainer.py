@@ -333,3 +333,26 @@ def test_the_probe_is_what_an_fp32_generator_answers_with_the_trainers_weights()
     np.testing.assert_array_equal(own.finished, served.finished)
     assert own.answers == served.answers
     assert trainer.model.training  # back to training after the probe
+
+
+def test_linear_warmup_ramps_the_rate_then_hands_over_to_the_schedule():
+    constant = Trainer(tiny_config("trainer.lr_schedule=constant", "trainer.lr_warmup_steps=4"))
+    factor = constant.gradient_step.lr_factor
+    # (u + 1) / 4 during the warmup: step 0 at 1/4, step 2 (warmup / 2) at 3/4, then 1
+    assert [factor(u) for u in (0, 2, 3, 4, 50)] == [0.25, 0.75, 1.0, 1.0, 1.0]
+    assert constant.optimizer.param_groups[0]["lr"] == pytest.approx(3e-4 * 0.25)
+    cosine = Trainer(
+        tiny_config("steps=14", "trainer.lr_final_ratio=0.1", "trainer.lr_warmup_steps=4")
+    )
+    factor = cosine.gradient_step.lr_factor
+    # warmup as above, then 0.1 + 0.9 * (1 + cos(pi * (u - 4) / 10)) / 2 over the 10 steps left:
+    # 1.0 at u = 4, 0.55 at u = 9, 0.1 at u = 14
+    assert [factor(u) for u in (0, 2)] == [0.25, 0.75]
+    assert factor(4) == pytest.approx(1.0, abs=1e-12)
+    assert factor(9) == pytest.approx(0.55, abs=1e-12)
+    assert factor(14) == pytest.approx(0.1, abs=1e-12)
+    # the rate a step takes is the warmed-up one, and it advances once per version
+    batch = _batch([0, 0])
+    assert cosine.train_step(batch).metrics["loss/lr"] == pytest.approx(3e-4 * 0.25)
+    batch.versions[batch.versions >= 0] = 1
+    assert cosine.train_step(batch).metrics["loss/lr"] == pytest.approx(3e-4 * 0.5)

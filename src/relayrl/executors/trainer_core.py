@@ -334,14 +334,17 @@ class TrainerCore:
 
 
 def policy_lr_factor(cfg: Config, update: int) -> float:
-    """Multiplier of the policy's learning rate after ``update`` train steps (cosine over
-    ``steps`` to ``trainer.lr_final_ratio``, or constant)."""
+    """Multiplier of the policy's learning rate after ``update`` train steps: a linear warmup
+    over the first ``trainer.lr_warmup_steps`` (the first step at 1 / warmup of the rate, not at
+    0), times cosine over the steps after it to ``trainer.lr_final_ratio``, or constant."""
     tc = cfg.trainer
+    warmup = tc.lr_warmup_steps
+    factor = min(1.0, (update + 1) / warmup) if warmup else 1.0
     if tc.lr_schedule == "constant":
-        return 1.0
-    progress = min(update / max(cfg.steps, 1), 1.0)
+        return factor
+    progress = min(max(update - warmup, 0) / max(cfg.steps - warmup, 1), 1.0)
     final = tc.lr_final_ratio
-    return final + (1 - final) * 0.5 * (1 + math.cos(math.pi * progress))
+    return factor * (final + (1 - final) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 class PolicyCore(TrainerCore):
