@@ -92,7 +92,7 @@ DIFFERENCES = [
     "1e-6: TRL's advantages are sqrt(7/8) = 0.935x relayrl's for groups of 8, a constant factor "
     "that Adam's normalisation all but removes.",
     "Work per step: relayrl leaves groups with all-equal rewards out of the forward/backward pass "
-    "(trainer.skip_zero_signal, the update is unchanged); TRL runs forward/backward on all "
+    "(experiment.skip_zero_signal, the update is unchanged); TRL runs forward/backward on all "
     "completions and also computes per-token entropy for its logs.",
     "Generation: TRL calls transformers' model.generate (do_sample, top_k=0, top_p=1, KV cache); "
     "relayrl uses its own KV-cached sampler (engines/native.py). Same distribution, different "

@@ -7,6 +7,7 @@ import yaml
 
 from relayrl.algorithms import ADVANTAGES, LOSSES
 from relayrl.config import (
+    MOVED,
     ConfigError,
     EmbodiedConfig,
     LLMConfig,
@@ -488,21 +489,32 @@ def test_replay_wait_at_above_the_capacity_is_refused():
 
 
 @pytest.mark.parametrize(
-    ("old", "new"),
+    ("workload", "old", "new"),
     [
-        ("inference.early_drain=false", "experiment.early_drain"),
-        ("inference.transport=ray", "experiment.inference_transport"),
+        ("embodied", "inference.early_drain=false", "experiment.early_drain"),
+        ("embodied", "inference.transport=ray", "experiment.inference_transport"),
+        ("llm", "trainer.skip_zero_signal=false", "experiment.skip_zero_signal"),
+        ("llm", "generator.greedy=true", "experiment.generator_greedy"),
     ],
 )
-def test_a_study_switch_that_moved_is_refused_naming_its_new_key(old, new):
-    message = config_error(None, ["workload=embodied", old])
-    assert message == f"{old.split('=')[0]}: moved to {new}"
-    cfg = load_config(None, ["workload=embodied", f"{new}={old.split('=')[1]}"])
-    assert getattr(cfg.experiment, new.split(".")[1]) == yaml.safe_load(old.split("=")[1])
-    assert load_config(None, ["workload=embodied"]).experiment.inference_transport == "socket"
+def test_a_study_switch_that_moved_is_refused_naming_its_new_key(workload, old, new):
+    key, value = old.split("=")
+    assert config_error(None, [f"workload={workload}", old]) == f"{key}: moved to {new}"
+    cfg = load_config(None, [f"workload={workload}", f"{new}={value}"])
+    default = getattr(load_config(None, [f"workload={workload}"]).experiment, new.split(".")[1])
+    assert getattr(cfg.experiment, new.split(".")[1]) == yaml.safe_load(value) != default
 
 
-def test_the_experiment_section_is_the_embodied_workloads():
+def test_every_moved_key_names_an_option_of_an_experiment_section():
+    fields = {*LLMConfig.model_fields["experiment"].annotation.model_fields}
+    fields |= {*EmbodiedConfig.model_fields["experiment"].annotation.model_fields}
+    assert {new.removeprefix("experiment.") for new in MOVED.values()} <= fields
+    assert all(new.startswith("experiment.") for new in MOVED.values())
+
+
+def test_each_workloads_experiment_section_holds_only_its_own_switches():
     message = config_error(None, ["experiment.early_drain=false"])
-    assert message.startswith("experiment: does not apply to workload='llm'")
+    assert message.startswith("experiment.early_drain: does not apply to workload='llm'")
+    message = config_error(None, ["workload=embodied", "experiment.generator_greedy=true"])
+    assert message.startswith("experiment.generator_greedy: does not apply to workload='embodied'")
     assert isinstance(load_config(None, ["workload=embodied"]), EmbodiedConfig)

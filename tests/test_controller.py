@@ -326,7 +326,7 @@ def test_a_forced_lag_trains_every_sample_exactly_that_many_versions_old(
         "generator.min_lag=3",
         "max_staleness=4",
         "channels.capacity=3",
-        "trainer.skip_zero_signal=false",
+        "experiment.skip_zero_signal=false",
     )
     per_batch = cfg.generator.prompts_per_step * cfg.generator.group_size
     samples = summary["samples"]

@@ -185,7 +185,6 @@ class GeneratorConfig(_Section):
     prompts_per_step: int = Field(32, ge=1, description="New prompts started per generate call.")
     group_size: int = Field(8, ge=2, description="Completions sampled per prompt (GRPO group).")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
-    greedy: bool = Field(False, description="Take the argmax instead of sampling (debugging).")
     max_new_tokens: int = Field(8, ge=1, description="Completion length cap; longer ones are cut.")
     stop: list[str] = Field(
         default_factory=list,
@@ -453,12 +452,6 @@ class LLMTrainerConfig(TrainerConfig):
         description="Recompute the policy's activations in the backward pass instead of "
         "keeping them (Hugging Face gradient checkpointing): less memory, more compute.",
     )
-    skip_zero_signal: bool = Field(
-        True,
-        description="Leave groups whose rewards are all equal (zero advantage, zero gradient) "
-        "out of the forward/backward pass; the loss is rescaled so the update is unchanged. "
-        "Not with m2po or ess_aipo, whose batch statistics count every group's tokens.",
-    )
     ess_lr: bool = Field(
         False,
         description="VCPO's step rule, with any loss: each step's learning rate is the "
@@ -712,7 +705,27 @@ class InferenceConfig(_Section):
     resources: dict[str, float] = _resources("inference-service")
 
 
-class ExperimentConfig(_Section):
+class LLMExperimentConfig(_Section):
+    """llm: switches that only studies and tests flip; runs keep the defaults."""
+
+    skip_zero_signal: bool = Field(
+        True,
+        description="Leave groups whose rewards are all equal (zero advantage, zero gradient) "
+        "out of the forward/backward pass; the loss is rescaled so the update is unchanged. "
+        "Not with m2po or ess_aipo, whose batch statistics count every group's tokens. false: "
+        "every batch takes an optimizer step and a version, so a forced lag "
+        "(generator.min_lag) is exact whatever the rewards, and the work per step is that of "
+        "a trainer that does not skip.",
+    )
+    generator_greedy: bool = Field(
+        False,
+        description="Generators take the argmax instead of sampling, so a completion is the "
+        "same however it is cut into calls (a debugging and test switch: a group of equal "
+        "completions carries no learning signal).",
+    )
+
+
+class EmbodiedExperimentConfig(_Section):
     """embodied: switches that only studies flip (docs/benchmarks.md); runs keep the defaults."""
 
     early_drain: bool = Field(
@@ -735,6 +748,8 @@ class ExperimentConfig(_Section):
 MOVED = {
     "inference.early_drain": "experiment.early_drain",
     "inference.transport": "experiment.inference_transport",
+    "trainer.skip_zero_signal": "experiment.skip_zero_signal",
+    "generator.greedy": "experiment.generator_greedy",
 }
 
 
@@ -1195,6 +1210,9 @@ class LLMConfig(Config):
     trainer: LLMTrainerConfig = LLMTrainerConfig()
     channels: ChannelsConfig = ChannelsConfig()
     sync: LLMSyncConfig = LLMSyncConfig()
+    experiment: LLMExperimentConfig = Field(
+        LLMExperimentConfig(), description="llm: switches that only studies and tests flip."
+    )
 
     def features(self) -> set[str]:
         """The optional sections whose feature is on (see FEATURES)."""
@@ -1226,8 +1244,8 @@ class EmbodiedConfig(Config):
     imagination: ImaginationConfig | None = _present(
         "embodied: imagination (AcceRL-WM), present when imagination.episodes_per_real > 0"
     )
-    experiment: ExperimentConfig = Field(
-        ExperimentConfig(), description="embodied: switches that only studies flip."
+    experiment: EmbodiedExperimentConfig = Field(
+        EmbodiedExperimentConfig(), description="embodied: switches that only studies flip."
     )
 
     def features(self) -> set[str]:

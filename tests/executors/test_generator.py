@@ -21,8 +21,8 @@ def _completions_by_prompt(batches) -> dict[tuple, list[int]]:
 
 
 def test_resumed_completion_equals_one_go_under_greedy_decoding():
-    common = ["generator.greedy=true", "generator.max_new_tokens=9", "generator.group_size=2"]
-    common += ["generator.prompts_per_step=6"]
+    common = ["experiment.generator_greedy=true", "generator.max_new_tokens=9"]
+    common += ["generator.group_size=2", "generator.prompts_per_step=6"]
     one_go = Generator(tiny_config(*common, "generator.max_new_tokens_per_step=9"))
     chunked = Generator(tiny_config(*common, "generator.max_new_tokens_per_step=3"))
     _, whole = one_go.generate()
@@ -72,7 +72,7 @@ def test_state_dict_round_trip_resumes_the_same_stream():
 
 
 def test_an_int8_generator_serves_a_quantised_copy_of_the_trainers_weights():
-    cfg = tiny_config("sync.precision=int8", "generator.greedy=true")
+    cfg = tiny_config("sync.precision=int8", "experiment.generator_greedy=true")
     trainer_side = Generator(tiny_config()).model.state_dict()
     publisher = TRANSPORTS["shm"].Publisher(trainer_side, ["generator"])
     gen = Generator(cfg)

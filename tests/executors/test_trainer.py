@@ -211,8 +211,8 @@ def test_ess_lr_steps_at_the_schedules_rate_times_the_scale_for_that_step_only()
 
 
 def test_skipping_zero_signal_groups_leaves_the_update_unchanged():
-    skip = Trainer(tiny_config("trainer.skip_zero_signal=true"))
-    full = Trainer(tiny_config("trainer.skip_zero_signal=false"))
+    skip = Trainer(tiny_config("experiment.skip_zero_signal=true"))
+    full = Trainer(tiny_config("experiment.skip_zero_signal=false"))
     batch = _batch([0, 0])
     batch.rewards[2:] = 1.0  # the second group is all-correct: zero advantage
     skip.train_step(batch)

@@ -57,6 +57,7 @@ class Generator:
     def __init__(self, cfg: Config, replica: int = 0):
         torch.set_num_threads(cfg.ray.threads_per_executor)
         self.cfg = cfg.generator
+        self.greedy = cfg.experiment.generator_greedy
         self.tokenizer, self.codec = load_codec(cfg)
         self.model = build_policy(cfg.model, self.tokenizer, cfg.run.seed).eval()
         if self.cfg.precision == "int8":
@@ -95,7 +96,7 @@ class Generator:
             stop_ids=self.codec.stop_ids,
             pad_id=self.codec.pad_id,
             temperature=self.cfg.temperature,
-            greedy=self.cfg.greedy,
+            greedy=self.greedy,
             generator=self.torch_rng,
         )
         self.pending = []

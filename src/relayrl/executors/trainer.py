@@ -215,7 +215,7 @@ class Trainer(PolicyCore):
         # Under GAE a group of equal rewards still has advantages (the values differ).
         per_token = tc.advantage == "gae"
         keeps_all = tc.loss in BATCH_STATISTICS or kl_in_loss or per_token
-        if tc.skip_zero_signal and not keeps_all:
+        if self.cfg.experiment.skip_zero_signal and not keeps_all:
             batch = batch.select(~zero_signal.numpy())
         if len(batch) == 0:
             return metrics, False
