@@ -110,6 +110,7 @@ def test_on_policy_gradient_is_vanilla_policy_gradient(name):
     close(logp.grad, (-advantages * mask / n).tolist())
     on_policy = {"ratio_mean": 1.0, "ratio_max": 1.0, "clip_frac": 0.0, "ess": 1.0}
     on_policy |= {"log_ratio_max": 0.0, "log_ratio_p99": 0.0, "kl_mu_pi": 0.0}
+    on_policy["kept_frac"] = 1.0  # randn advantages: every valid token carries a gradient
     assert {key: metrics[key] for key in METRIC_KEYS} == pytest.approx(on_policy)
 
 

@@ -51,12 +51,17 @@ tokens, with r = pi/mu:
 - ``kl_mu_pi``: mean of k3 = (r - 1) - log r, the unbiased non-negative estimator of KL(mu || pi)
   from tokens sampled by mu: E_mu[r] = 1, so E_mu[k3] = E_mu[-log r] = E_mu[log mu - log pi]
   (Schulman, "Approximating KL divergence", 2020).
+- ``kept_frac``: fraction of valid tokens whose term carries a gradient: a nonzero advantage, not
+  masked, clipped or clamped to a constant by the loss (in exact arithmetic; a weight that
+  underflows to 0 still counts). It is 0.0 exactly when the gradient is zero: every token masked,
+  clipped or without signal. A trainer that sees 0.0 on every rank has nothing to learn from and
+  should not step the optimizer, since Adam's momentum alone would still move the weights.
 
 On an empty mask all are 0.0 but ``ess``, which is 1.0: nothing is degenerate, and 1.0 is the
-neutral ESS scale of ``ess_aipo``. Across ranks ``ratio_mean``, ``clip_frac`` and ``kl_mu_pi`` are
-token means, ``ratio_max`` and ``log_ratio_max`` maxima; ``ess`` and ``log_ratio_p99`` are neither
-and combine only approximately. The metrics cost one host sync (the batch statistics of
-``m2po`` and ``ess_aipo``, when computed in the loss, one more each).
+neutral ESS scale of ``ess_aipo``. Across ranks ``ratio_mean``, ``clip_frac``, ``kl_mu_pi`` and
+``kept_frac`` are token means, ``ratio_max`` and ``log_ratio_max`` maxima; ``ess`` and
+``log_ratio_p99`` are neither and combine only approximately. The metrics cost one host sync
+(the batch statistics of ``m2po`` and ``ess_aipo``, when computed in the loss, one more each).
 """
 
 import math
@@ -76,6 +81,7 @@ METRIC_KEYS = (
     "log_ratio_max",
     "log_ratio_p99",
     "kl_mu_pi",
+    "kept_frac",
 )
 
 
@@ -109,7 +115,7 @@ def pg_loss(
     """
     mask, log_ratio, advantages = _prepare(logp, mu_logp, advantages, mask)
     loss = -masked_mean(advantages * logp, mask)
-    return loss, _metrics(log_ratio, torch.zeros_like(mask), mask)
+    return loss, _metrics(log_ratio, torch.zeros_like(mask), mask, advantages)
 
 
 def aipo_loss(
@@ -138,7 +144,7 @@ def aipo_loss(
     ratio = log_ratio.exp()
     weight = ratio.clamp(max=rho).detach()
     loss = -masked_mean(weight * advantages * logp, mask)
-    return loss, _metrics(log_ratio, ratio > rho, mask)
+    return loss, _metrics(log_ratio, ratio > rho, mask, advantages)
 
 
 def aipo_clamp_loss(
@@ -166,7 +172,7 @@ def aipo_clamp_loss(
     mask, log_ratio, advantages = _prepare(logp, mu_logp, advantages, mask)
     ratio = log_ratio.exp()
     loss = -masked_mean(ratio.clamp(max=rho) * advantages, mask)
-    return loss, _metrics(log_ratio, ratio > rho, mask)
+    return loss, _metrics(log_ratio, ratio > rho, mask, advantages, dropped=ratio > rho)
 
 
 def ppo_clip_loss(
@@ -192,11 +198,9 @@ def ppo_clip_loss(
     if clip_eps <= 0:
         raise ValueError(f"clip_eps must be > 0, got clip_eps={clip_eps}")
     mask, log_ratio, advantages = _prepare(logp, mu_logp, advantages, mask)
-    ratio = log_ratio.exp()
-    unclipped = ratio * advantages
-    clipped = ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantages
-    loss = -masked_mean(torch.minimum(unclipped, clipped), mask)
-    return loss, _metrics(log_ratio, clipped < unclipped, mask)
+    terms, clipped = _ppo_clip_terms(log_ratio, advantages, clip_eps)
+    loss = -masked_mean(terms, mask)
+    return loss, _metrics(log_ratio, clipped, mask, advantages, dropped=clipped)
 
 
 def gipo_loss(
@@ -245,7 +249,7 @@ def gipo_loss(
     scale = torch.where(advantages >= 0, sigma, sigma * neg_ratio).to(log_ratio.dtype)
     log_weight = -0.5 * (log_ratio.detach() / scale) ** 2
     loss = -masked_mean((log_ratio + log_weight).exp() * advantages, mask)
-    return loss, _metrics(log_ratio, log_weight.exp() < 0.5, mask)
+    return loss, _metrics(log_ratio, log_weight.exp() < 0.5, mask, advantages)
 
 
 def tis_seq_loss(
@@ -282,7 +286,7 @@ def tis_seq_loss(
     weight = seq_log_weight.clamp(max=math.log(cap)).exp().to(log_ratio.dtype)
     loss = -masked_mean(weight[:, None] * advantages * logp, mask)
     truncated = (seq_log_weight > math.log(cap))[:, None].expand_as(mask)
-    return loss, _metrics(log_ratio, truncated, mask)
+    return loss, _metrics(log_ratio, truncated, mask, advantages)
 
 
 def mis_seq_loss(
@@ -331,7 +335,8 @@ def mis_seq_loss(
     # exp(-inf) = 0 on rejected sequences, whose weight may be too large for exp().
     weight = torch.where(kept, seq_log_weight, -math.inf).exp().to(log_ratio.dtype)
     loss = -masked_mean(weight[:, None] * advantages * logp, mask)
-    return loss, _metrics(log_ratio, ~kept[:, None].expand_as(mask), mask)
+    rejected = ~kept[:, None].expand_as(mask)
+    return loss, _metrics(log_ratio, rejected, mask, advantages, dropped=rejected)
 
 
 def m2po_loss(
@@ -387,7 +392,7 @@ def m2po_loss(
     kept = mask & ~masked_out
     ratio = torch.where(kept, log_ratio, 0.0).exp()
     loss = -masked_mean(torch.where(kept, ratio * advantages, 0.0), mask)
-    return loss, _metrics(log_ratio, masked_out, mask)
+    return loss, _metrics(log_ratio, masked_out, mask, advantages, dropped=masked_out)
 
 
 def m2po_cutoff(sq_log_ratios: Tensor, tau: float) -> float:
@@ -583,6 +588,17 @@ def _sequence_log_weight(log_ratio: Tensor, mask: Tensor) -> Tensor:
     return torch.where(mask, log_ratio.detach().to(wide), 0.0).sum(dim=-1)
 
 
+def _ppo_clip_terms(
+    log_ratio: Tensor, advantages: Tensor, clip_eps: float
+) -> tuple[Tensor, Tensor]:
+    """PPO's per-token surrogate min(r A, clip(r, 1 - eps, 1 + eps) A), r = exp(log_ratio), and
+    where its clip is active (the clipped term is selected: a constant, no gradient)."""
+    ratio = log_ratio.exp()
+    unclipped = ratio * advantages
+    clipped = ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantages
+    return torch.minimum(unclipped, clipped), clipped < unclipped
+
+
 def _ess(log_weights: Tensor, mask: Tensor) -> Tensor:
     """Normalised ESS of exp(log_weights) over ``mask`` as a 0-d tensor; 1 on an empty mask."""
     log_weights = torch.where(mask, log_weights, -math.inf).flatten()
@@ -606,8 +622,16 @@ def _masked_quantile(x: Tensor, mask: Tensor, q: float) -> Tensor:
     return torch.where(count > 0, value, 0.0)
 
 
-def _metrics(log_ratio: Tensor, clip_active: Tensor, mask: Tensor) -> dict[str, float]:
-    """The health metrics of the module docstring, in at least float32, with one host sync."""
+def _metrics(
+    log_ratio: Tensor,
+    clip_active: Tensor,
+    mask: Tensor,
+    advantages: Tensor,
+    dropped: Tensor | None = None,
+) -> dict[str, float]:
+    """The health metrics of the module docstring, in at least float32, with one host sync;
+    ``dropped`` marks the tokens whose term the loss made a constant or zero (none if None)."""
+    learning = advantages != 0 if dropped is None else (advantages != 0) & ~dropped
     log_ratio = log_ratio.detach().to(torch.promote_types(log_ratio.dtype, torch.float32))
     ratio = log_ratio.exp()
     magnitude = log_ratio.abs()
@@ -622,6 +646,7 @@ def _metrics(log_ratio: Tensor, clip_active: Tensor, mask: Tensor) -> dict[str, 
             _masked_quantile(magnitude, mask, 0.99),
             # expm1 keeps k3 ~ (log r)^2 / 2 accurate near r = 1, where r - 1 - log r cancels.
             masked_mean(torch.expm1(log_ratio) - log_ratio, mask),
+            masked_mean(learning.to(ratio.dtype), mask),
         ]
     ).tolist()
     return dict(zip(METRIC_KEYS, stats, strict=True))
