@@ -435,6 +435,14 @@ def test_gae_with_the_kl_in_the_reward_is_refused_with_the_way_out():
     assert "use trainer.kl_in=loss" in message
 
 
+def test_more_minibatches_than_a_steps_groups_is_refused_giving_both_counts():
+    message = config_error(None, ["generator.prompts_per_step=4", "trainer.minibatches=5"])
+    assert "trainer.minibatches=5 is more than a step's groups" in message
+    assert "generator.prompts_per_step=4" in message
+    cfg = load_config(None, ["generator.prompts_per_step=4", "trainer.minibatches=4"])
+    assert cfg.trainer.minibatches == 4
+
+
 PRESETS = sorted((REPO / "configs" / "presets").glob("*.yaml"))
 
 

@@ -452,6 +452,13 @@ class LLMTrainerConfig(TrainerConfig):
         description="Recompute the policy's activations in the backward pass instead of "
         "keeping them (Hugging Face gradient checkpointing): less memory, more compute.",
     )
+    minibatches: int = Field(
+        1,
+        ge=1,
+        description="Optimizer steps per version: a train step's fresh groups are cut into this "
+        "many blocks of whole groups, in order, and each takes one optimizer step; the version "
+        "bumps once per train step (at most generator.prompts_per_step).",
+    )
     ess_lr: bool = Field(
         False,
         description="VCPO's step rule, with any loss: each step's learning rate is the "
@@ -1512,6 +1519,16 @@ def _current_proximal_needs_the_value_pass(cfg: Config) -> None:
         )
 
 
+def _minibatches_fit_the_groups(cfg: Config) -> None:
+    """Each of a step's minibatches is a block of whole groups."""
+    minibatches, groups = cfg.trainer.minibatches, cfg.generator.prompts_per_step
+    if minibatches > groups:
+        raise ValueError(
+            f"trainer.minibatches={minibatches} is more than a step's groups "
+            f"(generator.prompts_per_step={groups}): each minibatch is a block of whole groups"
+        )
+
+
 def _gae_takes_the_kl_in_the_loss(cfg: Config) -> None:
     """The critic computes GAE before the trainer's KL shaping of the rewards."""
     tc = cfg.trainer
@@ -1572,6 +1589,7 @@ RULES: dict[str, tuple[Callable[[Any], None], ...]] = {
         _reward_model_names_are_unique,
         _generator_lag_within_staleness,
         _generator_lag_fits_the_channels,
+        _minibatches_fit_the_groups,
         _gae_takes_the_kl_in_the_loss,
         _int8_generator_needs_int8_storage,
         _in_place_sync_needs_one_rank,

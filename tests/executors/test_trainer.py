@@ -10,9 +10,11 @@ import pytest
 import torch
 from conftest import assert_bit_identical, core_state, tiny_config
 
+from relayrl.algorithms.advantages import ADVANTAGES
 from relayrl.algorithms.losses import LOSSES
 from relayrl.executors.generator import Generator
 from relayrl.executors.trainer import Trainer
+from relayrl.models.lm import token_logprobs
 from relayrl.observability.metrics import RunTally
 from relayrl.types import RolloutBatch, StepResult
 
@@ -356,3 +358,35 @@ def test_linear_warmup_ramps_the_rate_then_hands_over_to_the_schedule():
     assert cosine.train_step(batch).metrics["loss/lr"] == pytest.approx(3e-4 * 0.25)
     batch.versions[batch.versions >= 0] = 1
     assert cosine.train_step(batch).metrics["loss/lr"] == pytest.approx(3e-4 * 0.5)
+
+
+def test_one_minibatch_takes_the_step_a_minibatchless_trainer_took():
+    # The same weights as the single step the trainer took before minibatches existed: one
+    # optimizer step over every fresh group, written out here with the loss's own token mean.
+    trainer = Trainer(tiny_config("trainer.minibatches=1"))
+    reference = Trainer(tiny_config())
+    batch = _batch([0, 0])
+    trainer.train_step(batch)
+    tokens = torch.from_numpy(batch.tokens)
+    logp = token_logprobs(reference.model, tokens, torch.full((4,), 5), 1.0)
+    mask = torch.from_numpy(batch.completion_mask[:, 1:])
+    advantages = ADVANTAGES["grpo"](torch.from_numpy(batch.rewards), 2)[:, None].expand_as(logp)
+    loss, _ = LOSSES["aipo"](logp, torch.from_numpy(batch.logprobs[:, 1:]), advantages, mask)
+    reference.apply_gradients(loss)
+    assert_bit_identical(_params(trainer), _params(reference))
+
+
+def test_each_minibatch_is_an_optimizer_step_on_its_block_of_groups_and_one_version():
+    constant = "trainer.lr_schedule=constant"
+    two = Trainer(tiny_config(constant, "trainer.minibatches=2"))
+    batch = _batch([0, 0])
+    result = two.train_step(batch)
+    assert result.stepped and result.version == two.version == 1
+    assert two.optimizer.state[next(two.model.parameters())]["step"] == 2
+    # the same as two one-minibatch steps, on the first group, then on the second
+    steps = Trainer(tiny_config(constant))
+    steps.train_step(batch.select(np.arange(4) < 2))
+    steps.train_step(batch.select(np.arange(4) >= 2))
+    assert all(
+        torch.allclose(a, b, atol=1e-7) for a, b in zip(_params(two), _params(steps), strict=True)
+    )

@@ -3,9 +3,12 @@
 The trainer owns the policy version. Each ``train_step`` first enforces the staleness bound — a
 group with any token sampled more than ``max_staleness`` versions ago is dropped and counted, never
 trained on — then computes group advantages and the configured loss against the per-token
-behaviour log-probs recorded by the generator, takes one optimizer step and bumps the version.
-A nan or inf loss or gradient norm skips the optimizer step (see ``trainer_core.GradientStep``):
-the step reports ``stepped`` false and ``skipped_nonfinite`` 1, and the version stays.
+behaviour log-probs recorded by the generator, and bumps the version. The fresh groups are cut
+in order into ``trainer.minibatches`` blocks of whole groups, each one optimizer step with its own
+token mean; one version per train step whatever their number. A nan or inf loss or gradient norm
+skips that minibatch's optimizer step (see ``trainer_core.GradientStep``) and is counted in
+``skipped_nonfinite``; a step none of whose minibatches stepped reports ``stepped`` false and the
+version stays.
 
 As one rank of a group (``trainer.ranks``, see ``trainer_core``), every rank is given the whole
 batch and decides alike which groups are stale or carry no signal. Its books (``StepResult``
@@ -178,8 +181,10 @@ class Trainer(PolicyCore):
         return result
 
     def _update(self, batch: RolloutBatch, lag: np.ndarray) -> tuple[dict[str, float], bool]:
-        """One optimizer step on fresh groups, unless none of them carries a learning signal or
-        the loss or gradient is not finite; returns the metrics and whether it stepped."""
+        """``trainer.minibatches`` optimizer steps on fresh groups, each on its block of them,
+        but none on a block that carries no learning signal or whose loss or gradient is not
+        finite; bumps the version once if any stepped. Returns the metrics (the ``loss/*`` ones
+        means over the minibatches that stepped) and whether any stepped."""
         tc = self.cfg.trainer
         # The task's own reward, for the metrics: the rule reward, before later stages changed it.
         task_rewards = batch.rule_rewards if batch.rule_rewards is not None else batch.rewards
@@ -207,7 +212,6 @@ class Trainer(PolicyCore):
             "staleness/mean": float(lag.mean()),
             "staleness/max": float(lag.max()),
         } | batch.stage_metrics  # what the scoring stages measured of this batch
-        all_tokens = int(batch.completion_len.sum())
         if tc.kl_coef > 0 and tc.kl_in == "reward":
             metrics["rollout/kl_penalty"] = float(penalty.mean())
         # Zero-advantage groups carry no policy gradient, but a batch statistic and the KL term
@@ -215,10 +219,36 @@ class Trainer(PolicyCore):
         # Under GAE a group of equal rewards still has advantages (the values differ).
         per_token = tc.advantage == "gae"
         keeps_all = tc.loss in BATCH_STATISTICS or kl_in_loss or per_token
-        if self.cfg.experiment.skip_zero_signal and not keeps_all:
-            batch = batch.select(~zero_signal.numpy())
-        if len(batch) == 0:
+        skip = self.cfg.experiment.skip_zero_signal and not keeps_all
+        groups = len(batch) // batch.group_size
+        totals: dict[str, float] = {}
+        updates = 0
+        for i in range(tc.minibatches):  # every rank takes the same blocks, so steps alike
+            rows = _group_rows(parallel.share(groups, i, tc.minibatches), batch)
+            if not rows.any():  # fewer fresh groups than minibatches
+                continue
+            step = self._minibatch_step(batch.select(rows), zero_signal.numpy()[rows] & skip)
+            if step is None:
+                continue
+            for key, value in step.items():
+                totals[key] = totals.get(key, 0.0) + value
+            updates += 1
+        if not updates:
             return metrics, False
+        self.bump_version()
+        metrics |= {key: value / updates for key, value in totals.items()}
+        return metrics | {"version": float(self.version)}, True
+
+    def _minibatch_step(self, batch: RolloutBatch, left_out: np.ndarray) -> dict[str, float] | None:
+        """One optimizer step on a minibatch of whole groups (every rank's; this rank trains
+        its block), without the rows ``left_out`` (zero-signal groups); its ``loss/*`` metrics,
+        or None when it took no step."""
+        tc = self.cfg.trainer
+        kl_in_loss = tc.kl_coef > 0 and tc.kl_in == "loss"
+        all_tokens = int(batch.completion_len.sum())
+        batch = batch.select(~left_out)
+        if len(batch) == 0:
+            return None
         trainable_tokens = int(batch.completion_len.sum())
         own, filler = self._own(len(batch) // batch.group_size)
         batch = batch.select(_group_rows(own, batch))
@@ -233,7 +263,7 @@ class Trainer(PolicyCore):
         if filler:  # an all-false mask: a zero loss, still connected to every parameter
             mask = torch.zeros_like(mask)
         mu = torch.from_numpy(batch.logprobs[:, 1:])
-        if per_token:
+        if tc.advantage == "gae":
             token_adv = torch.from_numpy(
                 _from_stage(batch, "token_advantages", "trainer.advantage=gae", "critic")[:, 1:]
             )
@@ -242,8 +272,8 @@ class Trainer(PolicyCore):
             token_adv = advantages[:, None].expand_as(logp)
         options = self.loss_options(logp, mu, mask)
         loss, loss_stats = self.loss_fn(logp, mu, token_adv, mask, **options)
-        # The losses take a token mean over the tokens they see. The batch's token mean is over
-        # every fresh token, of every rank and of skipped zero-advantage groups alike, so
+        # The losses take a token mean over the tokens they see. The minibatch's token mean is
+        # over every fresh token, of every rank and of skipped zero-advantage groups alike, so
         # neither sharding nor skipping changes the update.
         own_tokens = 0 if filler else int(batch.completion_len.sum())
         loss = loss * (own_tokens / all_tokens)
@@ -259,22 +289,18 @@ class Trainer(PolicyCore):
         lr_scale = self.ess_lr_scale(logp, mu, mask)
         grad_norm, stepped = self.apply_gradients(loss, lr_scale)
         if not stepped:
-            return metrics, False
+            return None
         lr = self.scheduler.get_last_lr()[0] * lr_scale  # the rate this step used
-        self.bump_version()
-        metrics |= self._loss_metrics(
+        metrics = self._loss_metrics(
             {"value": float(loss.detach())} | terms,
             loss_stats,
             own_tokens / trainable_tokens,
             grad_norm,
             (logp.detach() - mu)[mask.bool()],
         )
-        if self.cfg.trainer.ess_lr:
+        if tc.ess_lr:
             metrics["loss/ess_lr_scale"] = lr_scale
-        return metrics | {
-            "loss/lr": lr,
-            "version": float(self.version),
-        }, True
+        return metrics | {"loss/lr": lr}
 
     def save_pretrained(self, path: str) -> str:
         """Save a Hugging Face checkpoint (safetensors) with its tokenizer. In a group every rank
