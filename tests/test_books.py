@@ -1,26 +1,31 @@
 """The books: ``Books.check`` with hand-derived numbers, the typed stats they are summed from, the
-embodied summary's books from stats, and a guard that no ``stats()`` result is read by string."""
+embodied summary's books from stats, and guards that no ``stats()`` result, nor a loop's result, is
+read by string."""
 
 from __future__ import annotations
 
 import ast
 import dataclasses
+import typing
 from pathlib import Path
 
 import pytest
 
 import relayrl
 import relayrl.types
+from relayrl.controller import LOOPS
 from relayrl.executors.replay_buffer import ReplayBuffer
 from relayrl.observability.books import Books, BooksUnbalanced
 from relayrl.observability.metrics import RunTally
 from relayrl.types import (
     BufferStats,
     ImaginedCounts,
+    LoopEnd,
     TaskCounts,
     TrainerStats,
     WorkerStats,
 )
+from relayrl.workloads import EmbodiedWorkload, LLMWorkload, Workload
 from relayrl.workloads.embodied_summary import EmbodiedStats, books, imagined_waste
 
 SOURCE = Path(relayrl.__file__).parent
@@ -353,3 +358,16 @@ def test_every_executors_stats_returns_a_frozen_dataclass_of_types():
         cls = getattr(relayrl.types, name, None)
         assert dataclasses.is_dataclass(cls), f"{where}: stats() returns {name}"
         assert cls.__dataclass_params__.frozen, f"{where}: {name} is not frozen"
+
+
+def test_every_loop_hands_finish_a_frozen_loop_end_that_has_no_string_keys():
+    for key, loop in LOOPS.items():
+        assert typing.get_type_hints(loop)["return"] is LoopEnd, key
+    for workload in (Workload, LLMWorkload, EmbodiedWorkload):
+        assert typing.get_type_hints(workload.finish)["loop"] is LoopEnd, workload.__name__
+    end = LoopEnd(prefetched=3, occupancy=(0.5, 0.25))
+    with pytest.raises(TypeError):
+        end["prefetched"]  # type: ignore[index]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        end.prefetched = 0  # type: ignore[misc]
+    assert (end.in_flight, end.prefetched_imagined) == (0, 0)

@@ -25,7 +25,7 @@ from relayrl.launch import publish_weights
 from relayrl.observability.metrics import MetricsLog, RunTally
 from relayrl.observability.tracing import Span, Tracer
 from relayrl.roles import Group, Placed, Role
-from relayrl.types import RolloutMeta, StepResult
+from relayrl.types import LoopEnd, RolloutMeta, StepResult
 from relayrl.weight_sync import TRANSPORTS, Ticket
 from relayrl.workloads import (
     FAMILIES,
@@ -293,13 +293,13 @@ class BanditWorkload:
     def restore(self, parts: dict[str, Any]) -> None:
         self.placed.restore(parts)
 
-    def finish(self, tally: RunTally, loop: dict, rl_wall: float) -> dict:
+    def finish(self, tally: RunTally, loop: LoopEnd, rl_wall: float) -> dict:
         end = asyncio.run(self.evaluate())
         return {
             "eval": {"end": end},
             "perf": {},
             "staleness": tally.staleness(),
-            "samples": self._books(tally, loop["in_flight"]),
+            "samples": self._books(tally, loop.in_flight),
         }
 
     def partial_books(self, tally: RunTally) -> dict:

@@ -35,7 +35,7 @@ from relayrl.executors.worker_side import BufferSink, ServiceClient
 from relayrl.launch import Group, WeightSync
 from relayrl.observability.metrics import MetricsLog, RunTally
 from relayrl.recovery import DEATHS, ExecutorFailed, Recovery, WorkerRuns, alive, first_line
-from relayrl.types import StepResult
+from relayrl.types import LoopEnd, StepResult
 from relayrl.weight_sync import ReceiverLost
 from relayrl.workloads import BatchWorkload, SegmentWorkload
 
@@ -47,7 +47,7 @@ async def run_sync(
     tally: RunTally,
     log: MetricsLog,
     ckpt: Checkpointer,
-) -> dict:
+) -> LoopEnd:
     """generate -> score -> train -> publish, one after the other; strictly on-policy.
 
     A step's calls are submitted at once as a chain of object references: Ray runs each when its
@@ -98,7 +98,7 @@ async def run_sync(
                 await ckpt.write(in_flight=await _samples(waiting))
             ckpt.after()
     await _serving_newest(sync, w.generators, recovery)
-    return {"in_flight": await _samples(waiting)}
+    return LoopEnd(in_flight=await _samples(waiting))
 
 
 def _score_chain(stages: list[Group], i: int, batches: tuple) -> tuple[list, Any]:
@@ -187,7 +187,7 @@ async def run_async(
     tally: RunTally,
     log: MetricsLog,
     ckpt: Checkpointer,
-) -> dict:
+) -> LoopEnd:
     """Generation, scoring and training overlap, joined by bounded channels.
 
     Each generator replica runs its own rollout loop and each rewarder replica its own scoring
@@ -227,7 +227,7 @@ async def run_async(
         await asyncio.gather(*workers, return_exceptions=True)
     sync.refresh(*w.generators.names)  # what runs on the replicas next sees the last version
     await _serving_newest(sync, w.generators, w.recovery, pipeline.pending)
-    return {"in_flight": pipeline.close()}
+    return LoopEnd(in_flight=pipeline.close())
 
 
 class _Pipeline:
@@ -370,7 +370,7 @@ async def run_lockstep(
     tally: RunTally,
     log: MetricsLog,
     ckpt: Checkpointer,
-) -> dict:
+) -> LoopEnd:
     """Embodied sync: collect in lockstep, train, publish, one after the other; no overlap.
 
     A round asks every worker to ``collect`` one segment (L steps or the end of its episode),
@@ -393,7 +393,7 @@ async def run_lockstep(
         result.metrics |= await w.episode_feedback(tally.steps + 1)
         await _log_step(cfg, tally, log, result, w.evaluate)
         await ckpt.maybe()
-    return {"prefetched": 0, "occupancy": []}
+    return LoopEnd()
 
 
 async def _collect(cfg: Config, w: SegmentWorkload) -> list[tuple[Collected, Any]]:
@@ -427,7 +427,7 @@ async def run_streaming(
     tally: RunTally,
     log: MetricsLog,
     ckpt: Checkpointer,
-) -> dict:
+) -> LoopEnd:
     """Embodied async: workers, inference replicas and trainer each run their own loop.
 
     Every worker loops observe -> ``act`` on its inference replica (dynamically batched with the
@@ -475,7 +475,7 @@ async def run_streaming(
     await _serving_newest(sync, w.services, w.recovery)
     await w.finish_world_model()
     real, imagined = await _closed(w, batch_refs, tally)
-    return {"prefetched": real, "prefetched_imagined": imagined or 0, "occupancy": occupancy}
+    return LoopEnd(prefetched=real, prefetched_imagined=imagined or 0, occupancy=tuple(occupancy))
 
 
 async def _fetched(w: SegmentWorkload, batch_refs: list, runs: WorkerRuns) -> None:
@@ -511,7 +511,7 @@ async def _closed(w: SegmentWorkload, batch_refs: list, tally: RunTally) -> tupl
 
 
 # By (the workload's ``family``, ``mode``): a workload names the family that feeds it.
-LOOPS: dict[tuple[str, str], Callable[..., Awaitable[dict]]] = {
+LOOPS: dict[tuple[str, str], Callable[..., Awaitable[LoopEnd]]] = {
     ("batches", "sync"): run_sync,
     ("batches", "async"): run_async,
     ("segments", "sync"): run_lockstep,

@@ -232,6 +232,17 @@ class StepResult:
         )
 
 
+@dataclass(frozen=True)
+class LoopEnd:
+    """What a loop leaves when its last step ends, for the workload's summary: the samples it
+    generated and never trained, and (segments) the replay buffer's occupancy after each step."""
+
+    in_flight: int = 0  # batches: samples queued or in the pipeline, never trained
+    prefetched: int = 0  # segments: real env steps fetched that no trainer rank received
+    prefetched_imagined: int = 0  # segments with imagination: the imagined ones
+    occupancy: tuple[float, ...] = ()  # segments, async: after each step
+
+
 # What executors' ``stats()`` return. The typed fields are what the controller and the workloads
 # read (the books, versions, occupancy); each is the executor's count since it started unless
 # its comment says otherwise.
@@ -244,6 +255,7 @@ class TrainerStats:
     version: int  # the rank's policy version
     busy_s: float
     skipped_nonfinite: int  # optimizer steps skipped for a nan or inf loss or norm
+    skipped_masked: int = 0  # optimizer steps skipped: the loss masked every token with a signal
     trained: int = 0  # samples (completions, or real env steps) trained on, or zero-signal
     dropped_stale: int = 0  # samples dropped for lagging more than max_staleness
     imagined_trained: int = 0  # embodied with imagination: imagined env steps, kept apart

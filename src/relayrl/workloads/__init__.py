@@ -25,6 +25,7 @@ from relayrl.executors.rollout_worker import Collected
 from relayrl.observability.metrics import MetricsLog, RunTally
 from relayrl.recovery import Recovery
 from relayrl.roles import Group, Placed
+from relayrl.types import LoopEnd
 from relayrl.workloads.embodied import EmbodiedWorkload
 from relayrl.workloads.llm import LLMWorkload
 
@@ -64,7 +65,7 @@ class Workload(Protocol):
     def restore(self, parts: dict[str, Any]) -> None:
         """Load what ``snapshot`` saved (a resume)."""
 
-    def finish(self, tally: RunTally, loop: dict, rl_wall: float) -> dict:
+    def finish(self, tally: RunTally, loop: LoopEnd, rl_wall: float) -> dict:
         """After RL: this workload's sections of summary.json."""
 
     def partial_books(self, tally: RunTally) -> dict:

@@ -38,6 +38,7 @@ from relayrl.observability.books import Books
 from relayrl.observability.metrics import MetricsLog, RunTally, say
 from relayrl.recovery import DEATHS, Recovery, alive
 from relayrl.roles import Group, Placed, Role, ray_resources
+from relayrl.types import LoopEnd
 from relayrl.workloads import embodied_eval
 from relayrl.workloads.embodied_summary import EmbodiedStats, books, summary_sections
 from relayrl.workloads.embodied_world_model import EmbodiedWorldModel
@@ -407,7 +408,7 @@ class EmbodiedWorkload:
         """Feed the workers' finished episodes to the task choice (``TaskChoice.feedback``)."""
         return await self.choice.feedback(self.workers, step)
 
-    def finish(self, tally: RunTally, loop: dict, rl_wall: float) -> dict:
+    def finish(self, tally: RunTally, loop: LoopEnd, rl_wall: float) -> dict:
         """Evaluate again; the eval, dwr and curriculum sections, and the rollout, perf,
         staleness, replay and books sections (``embodied_summary.summary_sections``)."""
         end = asyncio.run(self.evaluate())

@@ -18,7 +18,14 @@ from dataclasses import dataclass
 from relayrl.config import Config
 from relayrl.observability.books import Books
 from relayrl.observability.metrics import RunTally, say
-from relayrl.types import BufferStats, ServiceStats, TrainerStats, WorkerStats, WorldModelStats
+from relayrl.types import (
+    BufferStats,
+    LoopEnd,
+    ServiceStats,
+    TrainerStats,
+    WorkerStats,
+    WorldModelStats,
+)
 
 WASTE_WARN_FRACTION = 0.25  # imagined env steps dropped before training, above which we warn
 
@@ -122,12 +129,12 @@ def summary_sections(
     tally: RunTally,
     found: EmbodiedStats,
     retired: Mapping[int, tuple[int, int]],
-    loop: dict,
+    loop: LoopEnd,
     rl_wall: float,
 ) -> dict:
     """The rollout, perf, staleness, replay and books sections (and world_model with one) of a
     run that finished, whose loop returned ``loop`` after ``rl_wall`` seconds of RL."""
-    prefetched = (loop["prefetched"], loop.get("prefetched_imagined", 0))
+    prefetched = (loop.prefetched, loop.prefetched_imagined)
     by_section = books(tally, found, retired, prefetched)
     for name, kept in by_section.items():
         if problem := kept.imbalance():
@@ -138,7 +145,7 @@ def summary_sections(
     workers, services, buffer = found.workers, found.services, found.buffer
     tasks = WorkerStats.tasks_of(workers)
     episodes = sum(t.episodes for t in tasks.values())
-    occupancy = loop["occupancy"]
+    occupancy = loop.occupancy
     requests = sum(s.requests for s in services)
     forwards = sum(s.forwards for s in services)
     out = {name: kept.section() for name, kept in by_section.items()}

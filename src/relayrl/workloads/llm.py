@@ -22,6 +22,7 @@ from relayrl.observability.books import Books
 from relayrl.observability.metrics import MetricsLog, RunTally, say
 from relayrl.recovery import DEATHS, Recovery, alive
 from relayrl.roles import Group, Placed, Role, ray_resources
+from relayrl.types import LoopEnd
 
 
 class LLMWorkload:
@@ -232,7 +233,7 @@ class LLMWorkload:
         generation here), with what was in flight unknown."""
         return {"samples": tally.books()}
 
-    def finish(self, tally: RunTally, loop: dict, rl_wall: float) -> dict:
+    def finish(self, tally: RunTally, loop: LoopEnd, rl_wall: float) -> dict:
         """Evaluate held-out again; the eval, perf, staleness and samples sections."""
         end = asyncio.run(self.evaluate())
         stats = ray.get([g.stats.remote() for g in self.generators])
@@ -265,7 +266,7 @@ class LLMWorkload:
             | {"max_staleness": self.cfg.max_staleness, "min_lag": self.cfg.generator.min_lag},
             "stages": {group.role: _stage_books(group) for group in self.scorers()},
             "samples": tally.books(
-                in_flight={"pipeline": loop["in_flight"]},
+                in_flight={"pipeline": loop.in_flight},
                 lost_unfinished=sum(f["unfinished"] for f in tally.failures),
                 unfinished_partials=sum(s.pending for s in stats),
                 score_errors=tally.score_errors,
