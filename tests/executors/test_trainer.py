@@ -390,3 +390,38 @@ def test_each_minibatch_is_an_optimizer_step_on_its_block_of_groups_and_one_vers
     assert all(
         torch.allclose(a, b, atol=1e-7) for a, b in zip(_params(two), _params(steps), strict=True)
     )
+
+
+def _on_policy(trainer: Trainer, batch: RolloutBatch) -> RolloutBatch:
+    """``batch`` with the trainer's own log-probs as the behaviour's: every ratio is 1."""
+    with torch.no_grad():
+        logp = token_logprobs(trainer.model, torch.from_numpy(batch.tokens), torch.full((4,), 5), 1)
+    batch.logprobs[:, 1:] = np.where(batch.completion_mask[:, 1:], logp.numpy(), 0.0)
+    return batch
+
+
+def test_a_step_whose_loss_masks_every_token_takes_no_optimizer_step_and_is_counted():
+    trainer = Trainer(tiny_config("trainer.loss=m2po", "trainer.weight_decay=0.1"))
+    # on policy (log r)^2 = 0 <= tau everywhere: m2po keeps every token, and the step moves
+    assert trainer.train_step(_on_policy(trainer, _batch([0, 0]))).stepped
+    before = core_state(trainer)
+    # mu = -1 where the tiny model gives about -log(vocab): every (log r)^2 is far above
+    # tau = 0.04, so m2po masks every token and its gradient is zero; decay or momentum alone
+    # would still have moved the weights
+    result = trainer.train_step(_batch([1, 1]))
+    assert not result.stepped and result.version == trainer.version == 1
+    assert result.skipped_nonfinite == 0 and result.metrics["loss/skipped_masked"] == 1.0
+    assert trainer.stats().skipped_masked == 1
+    assert_bit_identical(core_state(trainer), before)
+    # a step with a signal is not one: its metrics carry no count
+    assert "loss/skipped_masked" not in trainer.train_step(_on_policy(trainer, _batch([1]))).metrics
+
+
+def test_a_step_without_any_advantage_is_not_counted_as_masked():
+    # zero-signal groups trained anyway (m2po keeps them for its statistic) carry no advantage:
+    # nothing was masked away, and the step goes on as before
+    trainer = Trainer(tiny_config("trainer.loss=m2po"))
+    batch = _batch([0])
+    batch.rewards[:] = 1.0
+    result = trainer.train_step(batch)
+    assert result.stepped and trainer.stats().skipped_masked == 0

@@ -7,8 +7,10 @@ behaviour log-probs recorded by the generator, and bumps the version. The fresh 
 in order into ``trainer.minibatches`` blocks of whole groups, each one optimizer step with its own
 token mean; one version per train step whatever their number. A nan or inf loss or gradient norm
 skips that minibatch's optimizer step (see ``trainer_core.GradientStep``) and is counted in
-``skipped_nonfinite``; a step none of whose minibatches stepped reports ``stepped`` false and the
-version stays.
+``skipped_nonfinite``; so does a loss that masked, rejected or clipped away every token with an
+advantage, counted in ``skipped_masked`` (``PolicyCore.holds_no_signal``: Adam's momentum alone
+would still move the weights). A step none of whose minibatches stepped reports ``stepped`` false
+and the version stays.
 
 As one rank of a group (``trainer.ranks``, see ``trainer_core``), every rank is given the whole
 batch and decides alike which groups are stale or carry no signal. Its books (``StepResult``
@@ -182,9 +184,10 @@ class Trainer(PolicyCore):
 
     def _update(self, batch: RolloutBatch, lag: np.ndarray) -> tuple[dict[str, float], bool]:
         """``trainer.minibatches`` optimizer steps on fresh groups, each on its block of them,
-        but none on a block that carries no learning signal or whose loss or gradient is not
-        finite; bumps the version once if any stepped. Returns the metrics (the ``loss/*`` ones
-        means over the minibatches that stepped) and whether any stepped."""
+        but none on a block that carries no learning signal, whose loss kept none of its tokens
+        with a signal (``holds_no_signal``) or whose loss or gradient is not finite; bumps the
+        version once if any stepped. Returns the metrics (the ``loss/*`` ones means over the
+        minibatches that stepped) and whether any stepped."""
         tc = self.cfg.trainer
         # The task's own reward, for the metrics: the rule reward, before later stages changed it.
         task_rewards = batch.rule_rewards if batch.rule_rewards is not None else batch.rewards
@@ -222,7 +225,7 @@ class Trainer(PolicyCore):
         skip = self.cfg.experiment.skip_zero_signal and not keeps_all
         groups = len(batch) // batch.group_size
         totals: dict[str, float] = {}
-        updates = 0
+        updates, masked = 0, self.skipped_masked
         for i in range(tc.minibatches):  # every rank takes the same blocks, so steps alike
             rows = _group_rows(parallel.share(groups, i, tc.minibatches), batch)
             if not rows.any():  # fewer fresh groups than minibatches
@@ -233,6 +236,8 @@ class Trainer(PolicyCore):
             for key, value in step.items():
                 totals[key] = totals.get(key, 0.0) + value
             updates += 1
+        if self.skipped_masked > masked:  # logged on the steps that skipped one, like a warning
+            metrics["loss/skipped_masked"] = float(self.skipped_masked - masked)
         if not updates:
             return metrics, False
         self.bump_version()
@@ -286,6 +291,9 @@ class Trainer(PolicyCore):
             if kl_in_loss:
                 loss = loss + tc.kl_coef * kl_sum / all_tokens
             terms["kl_ref"] = float(kl_sum.detach()) / trainable_tokens
+        if self.holds_no_signal(loss, logp, token_adv, mask):
+            self.skipped_masked += 1
+            return None
         lr_scale = self.ess_lr_scale(logp, mu, mask)
         grad_norm, stepped = self.apply_gradients(loss, lr_scale)
         if not stepped:

@@ -375,6 +375,28 @@ class PolicyCore(TrainerCore):
         self.loss_kwargs = {kw: getattr(tc, field) for kw, field in LOSS_OPTIONS[tc.loss].items()}
         self.trained = 0
         self.dropped_stale = 0
+        self.skipped_masked = 0
+
+    def holds_no_signal(
+        self, loss: torch.Tensor, logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor
+    ) -> bool:
+        """Whether the group's ``loss`` kept none of the valid tokens that carry an advantage:
+        some token of some rank has a nonzero advantage, yet d loss / d logp is zero on every
+        valid token of every rank (masked, rejected or clipped away). An optimizer step would
+        then move the weights on Adam's momentum alone, so the caller takes none and counts it
+        in ``skipped_masked``. A step whose loss is nan or inf on any rank is left to
+        ``GradientStep``'s guard, and one with no advantage at all (zero-signal groups trained
+        anyway) steps as before. A collective with ranks: every rank decides alike."""
+        valid = mask.bool()
+        (grad,) = torch.autograd.grad(loss, logp, retain_graph=True, allow_unused=True)
+        kept = 0.0 if grad is None else float((valid & (grad != 0)).sum())
+        counts = {
+            "kept": kept,
+            "signal": float((valid & (advantages != 0)).sum()),
+            "nonfinite": float(not math.isfinite(float(loss.detach()))),
+        }
+        counts = parallel.global_metrics(counts, {})
+        return counts["kept"] == 0 and counts["signal"] > 0 and not counts["nonfinite"]
 
     def loss_options(self, logp: torch.Tensor, mu: torch.Tensor, mask: torch.Tensor) -> dict:
         """The loss's keyword arguments for this batch: the config's, plus the batch statistic
@@ -423,15 +445,25 @@ class PolicyCore(TrainerCore):
 
     def stats(self) -> TrainerStats:
         """The core's counters plus the samples (completions or env steps) trained and dropped
-        stale."""
-        return replace(super().stats(), trained=self.trained, dropped_stale=self.dropped_stale)
+        stale and the steps skipped for a loss that kept no token."""
+        return replace(
+            super().stats(),
+            trained=self.trained,
+            dropped_stale=self.dropped_stale,
+            skipped_masked=self.skipped_masked,
+        )
 
     def state_dict(self) -> dict:
-        """The core's snapshot plus the sample books."""
-        return super().state_dict() | {"trained": self.trained, "dropped_stale": self.dropped_stale}
+        """The core's snapshot plus the sample books and the masked-step counter."""
+        return super().state_dict() | {
+            "trained": self.trained,
+            "dropped_stale": self.dropped_stale,
+            "skipped_masked": self.skipped_masked,
+        }
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore what ``state_dict`` saved."""
+        """Restore what ``state_dict`` saved (a snapshot without the masked-step counter: 0)."""
         super().load_state_dict(state)
         self.trained = state["trained"]
         self.dropped_stale = state["dropped_stale"]
+        self.skipped_masked = state.get("skipped_masked", 0)
