@@ -243,6 +243,10 @@ REFUSALS = {
         [*EMBODIED, "trainer.proximal=current", "trainer.value_recompute=off"],
         "so it needs trainer.value_recompute=pass; got off",
     ),
+    "_minibatches_fit_the_groups": (
+        ["generator.prompts_per_step=4", "trainer.minibatches=5"],
+        "trainer.minibatches=5 is more than a step's groups (generator.prompts_per_step=4)",
+    ),
     "_gae_takes_the_kl_in_the_loss": (
         ["trainer.advantage=gae", "trainer.kl_coef=0.1", "trainer.kl_in=reward"],
         "trainer.advantage=gae with trainer.kl_in=reward is not supported",
@@ -288,6 +292,7 @@ def test_the_rules_accept_the_nearest_valid_combinations():
         [*EMBODIED, "inference.min_lag=2"],
         ["generator.min_lag=2", "channels.capacity=2"],
         ["trainer.advantage=gae", "trainer.kl_coef=0.1", "trainer.kl_in=loss"],
+        ["generator.prompts_per_step=4", "trainer.minibatches=4"],
     ]
     for overrides in ok:
         assert isinstance(load_config(None, overrides), Config), overrides
