@@ -36,6 +36,7 @@ BUILTIN_LOSSES = (
     "ess_aipo",
     "gipo",
     "m2po",
+    "m2po_release",
     "mis_seq",
     "pg",
     "ppo_clip",
@@ -420,6 +421,14 @@ class TrainerConfig(_Section):
         gt=0,
         description="M2PO: tokens with the largest (log pi/mu)^2 are masked until the mean of "
         "the rest is <= tau (the paper's 0.04).",
+    )
+    m2po_release_budget: float = Field(
+        0.04,
+        gt=0,
+        description="m2po_release (the M2PO authors' code, their M2_budget): PPO's clip "
+        "[exp(-c), exp(c)] on pi/mu, with c set per micro-batch so that the squared log-ratios "
+        "of the harmful tokens (A > 0 with pi > mu, A < 0 with pi < mu), capped at c^2, average "
+        "under the budget.",
     )
 
     @field_validator("loss")

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from relayrl.algorithms.losses import (
+    BATCH_STATISTICS,
     LOSS_OPTIONS,
     LOSSES,
     aipo_loss,
@@ -329,13 +330,13 @@ def random_batch(seed: int, rows: int = 6, width: int = 5):
 
 def global_statistics(name: str, shards) -> dict[str, float]:
     """What a trainer gathers from its ranks and passes to each: the batch statistics."""
-    if name == "m2po":
-        values = torch.cat([m2po_sq_log_ratios(lp, mu, m) for lp, mu, _, m in shards])
-        return {"cutoff": m2po_cutoff(values, tau=0.04)}
-    if name == "ess_aipo":
-        log_weights = torch.cat([sequence_log_weights(lp, mu, m) for lp, mu, _, m in shards])
-        return {"ess": normalized_ess(log_weights)}
-    return {}
+    if name not in BATCH_STATISTICS:
+        return {}
+    keyword, contribute, reduce = BATCH_STATISTICS[name]
+    values = torch.cat([contribute(lp, mu, m) for lp, mu, _, m in shards])
+    parameters = inspect.signature(LOSSES[name]).parameters.values()
+    defaults = {p.name: p.default for p in parameters if p.default is not p.empty}
+    return {keyword: reduce(values, defaults)}
 
 
 def whole_and_split(name: str, seed: int, statistics: bool):
@@ -358,7 +359,8 @@ def whole_and_split(name: str, seed: int, statistics: bool):
     return whole.detach(), whole_logp.grad, split.detach(), split_logp.grad
 
 
-@pytest.mark.parametrize("name", sorted(LOSSES))
+# m2po_release takes its statistic per micro-batch by design (see its test of ranks).
+@pytest.mark.parametrize("name", sorted(set(LOSSES) - {"m2po_release"}))
 def test_two_shards_with_the_global_statistics_take_the_whole_batchs_step(name):
     whole, whole_grad, split, split_grad = whole_and_split(name, seed=3, statistics=True)
     torch.testing.assert_close(split, whole, atol=1e-6, rtol=0)

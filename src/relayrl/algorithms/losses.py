@@ -436,6 +436,105 @@ def m2po_sq_log_ratios(logp: Tensor, mu_logp: Tensor, mask: Tensor) -> Tensor:
     return _log_ratio(logp, mu_logp, mask).detach().square()[mask]
 
 
+def m2po_release_loss(
+    logp: Tensor,
+    mu_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    budget: float = 0.04,
+) -> tuple[Tensor, dict[str, float]]:
+    """M2PO as its authors' code runs it: PPO's clip, with a width set per micro-batch so that
+    the second moment of the harmful tokens' log-ratios, capped at the clip, is under a budget.
+
+    loss = -mean_t( min(r_t A_t, clip(r_t, exp(-c), exp(c)) A_t) ),   r_t = pi_t / mu_t
+    c^2  = m2po_release_threshold({(log r_t)^2 : t valid and harmful}, budget)
+    harmful: A_t > 0 with r_t > 1, or A_t < 0 with r_t < 1 (where a PPO clip can act)
+
+    From the release of M2PO (Zheng, Zhao & Chen 2025, arXiv:2510.01161;
+    github.com/Infini-AI-Lab/M2PO, ``compute_m2po_policy_loss`` in
+    verl/trainer/ppo/core_algos.py, run with ``M2_budget=0.04``). Where the arXiv form
+    (``m2po_loss``) masks tokens of any direction from the largest (log r)^2 down, the release
+    measures M2 only over the harmful tokens, caps their |log r| at the largest c whose capped M2
+    stays under the budget, and turns c into a PPO clip [exp(-c), exp(c)] on r. The clip is
+    one-sided as in PPO: a harmful token beyond it (A > 0 with log r > c, A < 0 with
+    log r < -c) gives the constant exp(+-c) * A and no gradient; a token that drifted the other
+    way (A > 0 with r < 1, A < 0 with r > 1) keeps the gradient -r_t * A_t / n however far it
+    went, as does every token inside the clip. With the harmful tokens' M2 already <= budget, or
+    no harmful token, nothing is clipped.
+
+    The statistic is per call, as the authors take it per micro-batch on each data-parallel rank
+    (in ``dp_actor.update_policy``), never gathered: ranks that hold parts of a batch each clip
+    with their own c, so this loss is not in ``BATCH_STATISTICS``.
+
+    Where we differ: the release signs a whole sequence by its first token's advantage, we sign
+    each token by its own (the same for a sequence-level advantage); its small epsilons (1e-12
+    on r, A and the budget) are left out; its optional floors on the clip width (the function's
+    0.3 / 0.5 defaults) are not offered, since its training path passes them unset. The clip
+    compares (log r)^2 with c^2, the values the threshold is chosen from, so a token at the
+    threshold is inside the clip on every dtype. The mean runs over all valid tokens (verl's
+    token-mean), clipped ones included. Clipped tokens' log-ratios are zeroed before exp(), so a
+    ratio too large for exp() cannot put inf * 0 = nan into the gradient.
+
+    Args:
+        logp, mu_logp, advantages, mask: [B, T], see the module docstring.
+        budget: the M2 of the harmful tokens after capping must be under it, > 0 (the
+            authors' ``M2_budget``, 0.04 in their scripts, the arXiv tau).
+
+    Returns:
+        The scalar loss (token-mean over valid tokens) and metrics; ``clip_frac`` is the fraction
+        of valid tokens clipped; ``m2_harmful`` is the M2 of the harmful tokens before capping
+        (0.0 when there are none).
+    """
+    if budget <= 0:
+        raise ValueError(f"budget must be > 0, got budget={budget}")
+    mask, log_ratio, advantages = _prepare(logp, mu_logp, advantages, mask)
+    squared = log_ratio.detach().square()
+    harmful = mask & (((advantages > 0) & (log_ratio > 0)) | ((advantages < 0) & (log_ratio < 0)))
+    threshold = m2po_release_threshold(squared[harmful], budget)
+    clipped = harmful & (squared > threshold)
+    ratio = torch.where(clipped, 0.0, log_ratio).exp()
+    # A clipped token sits at exp(c) or exp(-c), the side its log-ratio went to.
+    c = torch.full_like(log_ratio, math.sqrt(threshold) if math.isfinite(threshold) else 0.0)
+    bound = torch.where(log_ratio > 0, c, -c).detach().exp()
+    terms = torch.where(clipped, bound * advantages, ratio * advantages)
+    loss = -masked_mean(terms, mask)
+    metrics = _metrics(log_ratio, clipped, mask, advantages, dropped=clipped)
+    m2_harmful = float(squared[harmful].double().mean()) if harmful.any() else 0.0
+    return loss, metrics | {"m2_harmful": m2_harmful}
+
+
+def m2po_release_threshold(sq_log_ratios: Tensor, budget: float) -> float:
+    """The released M2PO's squared clip c^2 on |log r|: inf when nothing needs capping.
+
+    ``sq_log_ratios`` holds (log r)^2 of the harmful tokens (any shape, any order). When their
+    mean is <= budget, or there are none, the result is inf. Otherwise it is the largest of the
+    values v_j whose cap keeps the capped mean under the budget, mean_i(min(v_i, v_j)) < budget,
+    or 0.0 when
+    none does: the authors' ``_solve_tau_from_sorted_delta2``, which walks the sorted values up to
+    the first whose cap reaches the budget and returns the one before it. The sums run in float64
+    over the sorted values, so the order the values arrive in does not matter.
+
+    Args:
+        sq_log_ratios: squared log-ratios of the harmful tokens of one micro-batch.
+        budget: the M2 budget, > 0.
+
+    Returns:
+        c^2 as a python float: one of the input values, 0.0, or inf.
+    """
+    if budget <= 0:
+        raise ValueError(f"budget must be > 0, got budget={budget}")
+    values = sq_log_ratios.detach().flatten().double().sort().values
+    n = values.numel()
+    if n == 0 or float(values.mean()) <= budget:
+        return math.inf
+    # capped_sum[j] = sum_i min(v_i, v_j) = (sum of the values below v_j) + v_j * (n - j).
+    below = torch.cat([values.new_zeros(1), values.cumsum(0)[:-1]])
+    capped_sum = below + values * torch.arange(n, 0, -1, dtype=values.dtype)
+    under = (capped_sum < budget * n).nonzero()
+    return float(values[under[-1]]) if len(under) else 0.0
+
+
 def ess_aipo_loss(
     logp: Tensor,
     mu_logp: Tensor,
@@ -512,6 +611,7 @@ LOSSES: dict[str, LossFn] = {
     "tis_seq": tis_seq_loss,
     "mis_seq": mis_seq_loss,
     "m2po": m2po_loss,
+    "m2po_release": m2po_release_loss,
     "ess_aipo": ess_aipo_loss,
 }
 
@@ -526,6 +626,7 @@ LOSS_OPTIONS: dict[str, dict[str, str]] = {
     "tis_seq": {"cap": "seq_is_cap"},
     "mis_seq": {"lower": "seq_mis_lower", "upper": "seq_mis_upper"},
     "m2po": {"tau": "m2po_tau"},
+    "m2po_release": {"budget": "m2po_release_budget"},
     "ess_aipo": {"rho": "aipo_rho"},
 }
 
