@@ -520,6 +520,19 @@ def test_every_moved_key_names_an_option_of_an_experiment_section():
     assert all(new.startswith("experiment.") for new in MOVED.values())
 
 
+def test_a_moved_key_given_to_the_other_workload_names_the_workload_that_reads_it():
+    message = config_error(None, ["workload=embodied", "trainer.skip_zero_signal=false"])
+    assert message == (
+        "trainer.skip_zero_signal: moved to experiment.skip_zero_signal, which only "
+        "workload='llm' reads"
+    )
+    # where the other workload has no such section, that section is refused
+    message = config_error(None, ["workload=embodied", "generator.greedy=true"])
+    assert message.startswith("generator: does not apply to workload='embodied'")
+    message = config_error(None, ["inference.transport=ray"])
+    assert message.startswith("inference: does not apply to workload='llm'")
+
+
 def test_each_workloads_experiment_section_holds_only_its_own_switches():
     message = config_error(None, ["experiment.early_drain=false"])
     assert message.startswith("experiment.early_drain: does not apply to workload='llm'")

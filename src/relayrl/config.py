@@ -1735,9 +1735,12 @@ def _describe(err: ValidationError) -> str:
     where = ".".join(str(part) for part in loc)
     value = first.get("input")
     if first["type"] == "extra_forbidden":
-        if where in MOVED:
-            return f"{where}: moved to {MOVED[where]}"
         other = next(name for name in CONFIGS if name != workload)
+        if where in MOVED:
+            section, _, name = MOVED[where].rpartition(".")
+            if name in (_fields_at(CONFIGS[str(workload)], section.split(".")) or []):
+                return f"{where}: moved to {MOVED[where]}"
+            return f"{where}: moved to {MOVED[where]}, which only workload={other!r} reads"
         if loc and str(loc[-1]) in (_fields_at(CONFIGS[other], loc[:-1]) or []):
             return (
                 f"{where}: does not apply to workload={workload!r} (only workload={other!r} "
