@@ -422,6 +422,24 @@ class TrainerConfig(_Section):
         description="M2PO: tokens with the largest (log pi/mu)^2 are masked until the mean of "
         "the rest is <= tau (the paper's 0.04).",
     )
+    proximal: Literal["behaviour", "current"] = Field(
+        "behaviour",
+        description="The old policy of the loss's ratio (PPO's trust region). behaviour: the "
+        "policy that sampled (mu); current: the trainer's policy as the step began (llm: one "
+        "no-grad pass over the step's groups before its first minibatch; embodied: from the "
+        "value pass, needs value_recompute=pass), with the stale behaviour corrected apart by a "
+        "stop-gradient weight min(pi_old / mu, proximal_weight_cap) on each token's advantage "
+        "(the decoupled objective of Hilton et al. 2021; with loss=ppo_clip AReaL's decoupled "
+        "PPO, relayrl.algorithms.decoupled). With one minibatch (llm: trainer.minibatches=1) "
+        "pi_old is the policy being trained, and with loss=ppo_clip the update equals aipo's "
+        "with aipo_rho=proximal_weight_cap.",
+    )
+    proximal_weight_cap: float = Field(
+        2.0,
+        gt=0,
+        description="trainer.proximal=current: the most the behaviour weight pi_old / mu may be "
+        "(truncated there; AReaL drops such tokens instead).",
+    )
     m2po_release_budget: float = Field(
         0.04,
         gt=0,
@@ -540,20 +558,6 @@ class EmbodiedTrainerConfig(TrainerConfig):
         "the episode step (the VLA's step embedding) and the limit is part of the task, as in "
         "BabyAI, where running out of steps is a failure; false bootstraps, as for a limit the "
         "task itself does not have.",
-    )
-    proximal: Literal["behaviour", "current"] = Field(
-        "behaviour",
-        description="embodied: the old policy of the loss's ratio (PPO's trust region). "
-        "behaviour: the policy that acted (mu); current: the trainer's policy when the step "
-        "began, its log-probs from the value pass, with the stale behaviour corrected apart by "
-        "a stop-gradient weight min(pi_old / mu, proximal_weight_cap) on each step's advantage "
-        "(the decoupled objective of Hilton et al. 2021). Needs value_recompute=pass.",
-    )
-    proximal_weight_cap: float = Field(
-        2.0,
-        gt=0,
-        description="embodied, trainer.proximal=current: the most the behaviour weight "
-        "pi_old / mu may be.",
     )
     minibatch_order: Literal["shuffled", "sequential"] = Field(
         "shuffled",

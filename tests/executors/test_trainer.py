@@ -425,3 +425,47 @@ def test_a_step_without_any_advantage_is_not_counted_as_masked():
     batch.rewards[:] = 1.0
     result = trainer.train_step(batch)
     assert result.stepped and trainer.stats().skipped_masked == 0
+
+
+def test_with_one_minibatch_the_current_proximal_policy_takes_aipos_step_at_the_cap():
+    decoupled = Trainer(
+        tiny_config(
+            "trainer.loss=ppo_clip",
+            "trainer.proximal=current",
+            "trainer.proximal_weight_cap=0.13",
+            "trainer.grad_clip=1e9",  # gradients as the losses give them, unclipped
+        )
+    )
+    aipo = Trainer(
+        tiny_config("trainer.loss=aipo", "trainer.aipo_rho=0.13", "trainer.grad_clip=1e9")
+    )
+    # mu = -1, above the tiny model's log-probs: pi / mu from 0.12 to 0.17 on its 8 tokens,
+    # so the cap of 0.13 truncates some weights and leaves others
+    batch = _batch([0, 0])
+    result = decoupled.train_step(batch)
+    aipo.train_step(batch)
+    assert 0.1 < result.metrics["loss/behaviour_weight"] < 0.13
+    assert result.metrics["loss/clip_frac"] == 0.0  # pi is prox: the clip around it is idle
+    # the gradients each step left behind: equal, so the update is aipo's
+    pairs = zip(decoupled.model.parameters(), aipo.model.parameters(), strict=True)
+    grads = [(a.grad, b.grad) for a, b in pairs]
+    assert all(torch.allclose(a, b, atol=1e-6, rtol=0) for a, b in grads)
+    assert any(a.abs().sum() > 0 for a, _ in grads)
+
+
+def test_the_proximal_pass_reads_the_policy_before_the_first_minibatch_moves_it():
+    trainer = Trainer(
+        tiny_config("trainer.loss=ppo_clip", "trainer.proximal=current", "trainer.minibatches=2")
+    )
+    passes = []
+    forward = trainer._logprobs
+
+    def spy(batch, grad=True):
+        steps = [s.get("step", 0) for s in trainer.optimizer.state.values()]
+        passes.append((grad, int(max(steps, default=0))))
+        return forward(batch, grad)
+
+    trainer._logprobs = spy
+    assert trainer.train_step(_batch([0, 0])).version == 1
+    # two proximal passes (no gradient) at optimizer step 0, then each minibatch's own forward
+    assert passes == [(False, 0), (False, 0), (True, 0), (True, 1)]

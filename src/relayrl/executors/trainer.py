@@ -10,7 +10,9 @@ skips that minibatch's optimizer step (see ``trainer_core.GradientStep``) and is
 ``skipped_nonfinite``; so does a loss that masked, rejected or clipped away every token with an
 advantage, counted in ``skipped_masked`` (``PolicyCore.holds_no_signal``: Adam's momentum alone
 would still move the weights). A step none of whose minibatches stepped reports ``stepped`` false
-and the version stays.
+and the version stays. With ``trainer.proximal=current`` a no-grad pass over every minibatch
+before the first steps gives the proximal policy's log-probs, and the loss is
+``decoupled.decoupled_loss`` around it.
 
 As one rank of a group (``trainer.ranks``, see ``trainer_core``), every rank is given the whole
 batch and decides alike which groups are stale or carry no signal. Its books (``StepResult``
@@ -28,12 +30,14 @@ import random
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from relayrl import faults, parallel
 from relayrl.algorithms.advantages import ADVANTAGES, zero_signal_samples
+from relayrl.algorithms.decoupled import decoupled_loss
 from relayrl.algorithms.kl import KL_ESTIMATORS, sequence_kl
 from relayrl.algorithms.losses import BATCH_STATISTICS
 from relayrl.config import Config
@@ -224,13 +228,18 @@ class Trainer(PolicyCore):
         keeps_all = tc.loss in BATCH_STATISTICS or kl_in_loss or per_token
         skip = self.cfg.experiment.skip_zero_signal and not keeps_all
         groups = len(batch) // batch.group_size
-        totals: dict[str, float] = {}
-        updates, masked = 0, self.skipped_masked
+        parts = []
         for i in range(tc.minibatches):  # every rank takes the same blocks, so steps alike
             rows = _group_rows(parallel.share(groups, i, tc.minibatches), batch)
-            if not rows.any():  # fewer fresh groups than minibatches
-                continue
-            step = self._minibatch_step(batch.select(rows), zero_signal.numpy()[rows] & skip)
+            if rows.any():  # not when there are fewer fresh groups than minibatches
+                parts += self._minibatch(batch.select(rows), zero_signal.numpy()[rows] & skip)
+        # proximal=current: the policy as the step began, before the first minibatch moves it
+        current = tc.proximal == "current"
+        proximal = [self._logprobs(part.batch, grad=False) if current else None for part in parts]
+        totals: dict[str, float] = {}
+        updates, masked = 0, self.skipped_masked
+        for part, prox in zip(parts, proximal, strict=True):
+            step = self._minibatch_step(part, prox)
             if step is None:
                 continue
             for key, value in step.items():
@@ -244,26 +253,38 @@ class Trainer(PolicyCore):
         metrics |= {key: value / updates for key, value in totals.items()}
         return metrics | {"version": float(self.version)}, True
 
-    def _minibatch_step(self, batch: RolloutBatch, left_out: np.ndarray) -> dict[str, float] | None:
-        """One optimizer step on a minibatch of whole groups (every rank's; this rank trains
-        its block), without the rows ``left_out`` (zero-signal groups); its ``loss/*`` metrics,
-        or None when it took no step."""
-        tc = self.cfg.trainer
-        kl_in_loss = tc.kl_coef > 0 and tc.kl_in == "loss"
+    def _minibatch(self, batch: RolloutBatch, left_out: np.ndarray) -> list[_Minibatch]:
+        """A minibatch of whole groups (every rank's) without the rows ``left_out`` (zero-signal
+        groups), as this rank trains it; none when nothing is left."""
         all_tokens = int(batch.completion_len.sum())
         batch = batch.select(~left_out)
         if len(batch) == 0:
-            return None
+            return []
         trainable_tokens = int(batch.completion_len.sum())
         own, filler = self._own(len(batch) // batch.group_size)
         batch = batch.select(_group_rows(own, batch))
-        with autocast(self.model, tc.precision):
-            logp = token_logprobs(
+        return [_Minibatch(batch, all_tokens, trainable_tokens, filler)]
+
+    def _logprobs(self, batch: RolloutBatch, grad: bool = True) -> torch.Tensor:
+        """[B, L-1] the policy's log-probs of ``batch``'s tokens (see ``token_logprobs``)."""
+        with torch.set_grad_enabled(grad), autocast(self.model, self.cfg.trainer.precision):
+            return token_logprobs(
                 self.model,
                 torch.from_numpy(batch.tokens),
                 torch.from_numpy(batch.prompt_len + batch.completion_len),
                 self.cfg.generator.temperature,
             )
+
+    def _minibatch_step(
+        self, part: _Minibatch, prox: torch.Tensor | None
+    ) -> dict[str, float] | None:
+        """One optimizer step on a minibatch, with ``prox`` the proximal policy's log-probs of
+        its tokens under ``trainer.proximal=current``; its ``loss/*`` metrics, or None when it
+        took no step."""
+        tc = self.cfg.trainer
+        kl_in_loss = tc.kl_coef > 0 and tc.kl_in == "loss"
+        batch, all_tokens, trainable_tokens, filler = part
+        logp = self._logprobs(batch)
         mask = torch.from_numpy(batch.completion_mask[:, 1:])
         if filler:  # an all-false mask: a zero loss, still connected to every parameter
             mask = torch.zeros_like(mask)
@@ -275,8 +296,14 @@ class Trainer(PolicyCore):
         else:
             advantages = self.advantage_fn(torch.from_numpy(batch.rewards), batch.group_size)
             token_adv = advantages[:, None].expand_as(logp)
-        options = self.loss_options(logp, mu, mask)
-        loss, loss_stats = self.loss_fn(logp, mu, token_adv, mask, **options)
+        if prox is None:
+            options = self.loss_options(logp, mu, mask)
+            loss, loss_stats = self.loss_fn(logp, mu, token_adv, mask, **options)
+        else:  # the trust region around prox, the staleness of mu in a weight (see decoupled)
+            options = self.loss_options(logp, prox, mask) | {"cap": tc.proximal_weight_cap}
+            loss, loss_stats = decoupled_loss(
+                self.loss_fn, logp, mu, prox, token_adv, mask, **options
+            )
         # The losses take a token mean over the tokens they see. The minibatch's token mean is
         # over every fresh token, of every rank and of skipped zero-advantage groups alike, so
         # neither sharding nor skipping changes the update.
@@ -318,6 +345,17 @@ class Trainer(PolicyCore):
             self.model.save_pretrained(path, state_dict=state, safe_serialization=True)
             self.tokenizer.save_pretrained(path)
         return str(Path(path))
+
+
+class _Minibatch(NamedTuple):
+    """This rank's block of a minibatch, the token counts of the whole minibatch (every
+    rank's; ``all_tokens`` with its zero-signal groups, ``trainable_tokens`` without) and
+    whether the block is a filler (see ``Trainer._own``)."""
+
+    batch: RolloutBatch
+    all_tokens: int
+    trainable_tokens: int
+    filler: bool
 
 
 def _from_stage(batch: RolloutBatch, name: str, setting: str, stage: str) -> np.ndarray:
