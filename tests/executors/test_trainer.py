@@ -469,3 +469,39 @@ def test_the_proximal_pass_reads_the_policy_before_the_first_minibatch_moves_it(
     assert trainer.train_step(_batch([0, 0])).version == 1
     # two proximal passes (no gradient) at optimizer step 0, then each minibatch's own forward
     assert passes == [(False, 0), (False, 0), (True, 0), (True, 1)]
+
+
+def test_the_drift_metrics_of_a_hand_made_batch():
+    trainer = Trainer(tiny_config())
+    # two sequences: log pi / mu = 0.5, -1 (and padding holding nan), and 0
+    logp = torch.tensor([[-1.0, -2.0, 9.0], [-0.5, 9.0, 9.0]])
+    mu = torch.tensor([[-1.5, -1.0, math.nan], [-0.5, 0.0, 0.0]])
+    mask = torch.tensor([[True, True, False], [True, False, False]])
+    drift = trainer.drift_metrics(logp, mu, mask)
+    # k3 = r - 1 - log r: e^0.5 - 1.5 and e^-1 - 1 + 1 and 0, over 3 tokens
+    kl = (math.exp(0.5) - 1.5 + math.exp(-1)) / 3
+    assert drift["staleness/kl_mu_pi"] == pytest.approx(kl, abs=1e-6)
+    # sequence weights W = e^(0.5 - 1) and e^0: ESS = (sum W)^2 / (2 sum W^2)
+    w = [math.exp(-0.5), 1.0]
+    assert drift["staleness/seq_ess"] == pytest.approx(sum(w) ** 2 / (2 * (w[0] ** 2 + 1)))
+    # -log pi over the 3 sampled tokens: (1 + 2 + 0.5) / 3
+    assert drift["loss/entropy_sampled"] == pytest.approx(3.5 / 3)
+
+
+def test_every_step_logs_the_drift_and_the_clipped_share():
+    trainer = Trainer(tiny_config("trainer.loss=ppo_clip"))
+    batch = _batch([0, 0])
+    with torch.no_grad():
+        logp = token_logprobs(trainer.model, torch.from_numpy(batch.tokens), torch.full((4,), 5), 1)
+    metrics = trainer.train_step(batch).metrics
+    valid = torch.from_numpy(batch.completion_mask[:, 1:])
+    mu = torch.from_numpy(batch.logprobs[:, 1:])
+    assert metrics["staleness/kl_mu_pi"] == pytest.approx(
+        trainer.drift_metrics(logp, mu, valid)["staleness/kl_mu_pi"]
+    )
+    assert metrics["staleness/kl_mu_pi"] > 0.5  # pi / mu from 0.12 to 0.17: far apart
+    assert 0 < metrics["staleness/seq_ess"] <= 1
+    assert metrics["loss/entropy_sampled"] == pytest.approx(float(-logp[valid].mean()))
+    # every ratio is below 1 - eps = 0.8: the clip holds the tokens whose advantage is negative,
+    # half of them (rewards 1, 0 in each group)
+    assert metrics["loss/clip_frac"] == 0.5

@@ -237,14 +237,18 @@ class Trainer(PolicyCore):
         current = tc.proximal == "current"
         proximal = [self._logprobs(part.batch, grad=False) if current else None for part in parts]
         totals: dict[str, float] = {}
+        drifts: dict[str, float] = {}
         updates, masked = 0, self.skipped_masked
         for part, prox in zip(parts, proximal, strict=True):
-            step = self._minibatch_step(part, prox)
+            drift, step = self._minibatch_step(part, prox)
+            for key, value in drift.items():
+                drifts[key] = drifts.get(key, 0.0) + value / len(parts)
             if step is None:
                 continue
             for key, value in step.items():
                 totals[key] = totals.get(key, 0.0) + value
             updates += 1
+        metrics |= drifts  # stepped or not: a step that masked every token drifted the most
         if self.skipped_masked > masked:  # logged on the steps that skipped one, like a warning
             metrics["loss/skipped_masked"] = float(self.skipped_masked - masked)
         if not updates:
@@ -277,10 +281,11 @@ class Trainer(PolicyCore):
 
     def _minibatch_step(
         self, part: _Minibatch, prox: torch.Tensor | None
-    ) -> dict[str, float] | None:
+    ) -> tuple[dict[str, float], dict[str, float] | None]:
         """One optimizer step on a minibatch, with ``prox`` the proximal policy's log-probs of
-        its tokens under ``trainer.proximal=current``; its ``loss/*`` metrics, or None when it
-        took no step."""
+        its tokens under ``trainer.proximal=current``; the policy's drift from mu before the step
+        (the ``staleness/*`` of ``PolicyCore.drift_metrics``) and the step's ``loss/*`` metrics,
+        None when it took no step."""
         tc = self.cfg.trainer
         kl_in_loss = tc.kl_coef > 0 and tc.kl_in == "loss"
         batch, all_tokens, trainable_tokens, filler = part
@@ -318,13 +323,17 @@ class Trainer(PolicyCore):
             if kl_in_loss:
                 loss = loss + tc.kl_coef * kl_sum / all_tokens
             terms["kl_ref"] = float(kl_sum.detach()) / trainable_tokens
+        health = self.drift_metrics(logp, mu, mask)
+        # The drift is logged whether or not the minibatch steps, its loss/* metrics only if it
+        # does, as every loss/* metric.
+        drift = {k: v for k, v in health.items() if k.startswith("staleness/")}
         if self.holds_no_signal(loss, logp, token_adv, mask):
             self.skipped_masked += 1
-            return None
+            return drift, None
         lr_scale = self.ess_lr_scale(logp, mu, mask)
         grad_norm, stepped = self.apply_gradients(loss, lr_scale)
         if not stepped:
-            return None
+            return drift, None
         lr = self.scheduler.get_last_lr()[0] * lr_scale  # the rate this step used
         metrics = self._loss_metrics(
             {"value": float(loss.detach())} | terms,
@@ -335,7 +344,7 @@ class Trainer(PolicyCore):
         )
         if tc.ess_lr:
             metrics["loss/ess_lr_scale"] = lr_scale
-        return metrics | {"loss/lr": lr}
+        return drift, metrics | {"loss/lr": lr} | {k: health[k] for k in health.keys() - drift}
 
     def save_pretrained(self, path: str) -> str:
         """Save a Hugging Face checkpoint (safetensors) with its tokenizer. In a group every rank

@@ -49,6 +49,7 @@ from dataclasses import replace
 import torch
 
 from relayrl import checkpoint_format, faults, parallel
+from relayrl.algorithms.kl import KL_ESTIMATORS
 from relayrl.algorithms.losses import (
     BATCH_STATISTICS,
     LOSS_OPTIONS,
@@ -428,6 +429,39 @@ class PolicyCore(TrainerCore):
         maxima = {"grad_norm": grad_norm} | whole
         maxima |= {k: stats[k] if weight > 0 else 0.0 for k in peaks if k in stats}
         return {f"loss/{k}": v for k, v in parallel.global_metrics(shares, maxima).items()}
+
+    def drift_metrics(
+        self, logp: torch.Tensor, mu: torch.Tensor, mask: torch.Tensor
+    ) -> dict[str, float]:
+        """How far the policy has drifted from the one that sampled, over every rank's valid
+        tokens (``mask``; a collective with ranks, a filler passes an all-false mask):
+
+        - ``staleness/kl_mu_pi``: KL(mu || pi), the token mean of k3 = r - 1 - log r with
+          r = pi / mu (``kl.k3`` with mu as the sampler, unbiased from tokens mu sampled);
+        - ``staleness/seq_ess``: the normalised ESS of the sequence weights prod(pi / mu)
+          (``normalized_ess``; the token-level one is ``loss/ess``);
+        - ``loss/entropy_sampled``: the token mean of -log pi over the sampled tokens, the
+          policy's per-token entropy estimated from its samples (on policy its expectation is the
+          entropy; off policy it is the cross-entropy of mu's tokens under pi).
+
+        The loss's own ``loss/kl_mu_pi`` measures pi against the loss's old policy, the proximal
+        one under ``trainer.proximal=current``; this one is always against mu."""
+        valid = mask.bool()
+        logp = logp.detach().float()
+        mu = mu.float()
+        sums = {
+            "kl": float(torch.where(valid, KL_ESTIMATORS["k3"](mu, logp), 0.0).sum()),
+            "nll": float(torch.where(valid, -logp, 0.0).sum()),
+            "tokens": float(valid.sum()),
+        }
+        sums = parallel.global_metrics(sums, {})
+        weights = parallel.gather_cat(sequence_log_weights(logp, mu, mask))
+        tokens = max(sums["tokens"], 1.0)
+        return {
+            "staleness/kl_mu_pi": sums["kl"] / tokens,
+            "staleness/seq_ess": normalized_ess(weights),
+            "loss/entropy_sampled": sums["nll"] / tokens,
+        }
 
     def ess_lr_scale(self, logp: torch.Tensor, mu: torch.Tensor, mask: torch.Tensor) -> float:
         """The learning-rate factor of ``trainer.ess_lr`` (VCPO's rule for Adam): sqrt of the
