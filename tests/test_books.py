@@ -16,7 +16,7 @@ import relayrl.types
 from relayrl.controller import LOOPS
 from relayrl.executors.replay_buffer import ReplayBuffer
 from relayrl.observability.books import Books, BooksUnbalanced
-from relayrl.observability.metrics import RunTally
+from relayrl.observability.metrics import Failure, RunTally
 from relayrl.types import (
     BufferStats,
     ImaginedCounts,
@@ -91,7 +91,7 @@ def test_books_with_in_flight_unknown_cannot_be_checked_and_claim_nothing():
 def test_the_controllers_tally_renders_an_llm_runs_books():
     tally = RunTally(steps=1, progress=False)
     tally.generated, tally.trained, tally.dropped_stale, tally.dropped_resume = 64, 40, 8, 4
-    tally.on_failure({"role": "generator", "lost": 4, "unfinished": 3})
+    tally.on_failure(Failure("generator", "generator_0", 0.0, 0, "died", lost=4, unfinished=3))
     # 40 + 8 + 4 + 4 + 8 in flight = 64
     section = tally.books(in_flight={"pipeline": 8}, lost_unfinished=3).section()
     assert section["accounted"] and section["in_flight"] == 8 and section["lost"] == 4
@@ -163,7 +163,7 @@ def test_workers_task_counts_add_up_per_task():
 def test_embodied_books_from_stats_balance_with_a_dead_worker_and_a_fetch_ahead():
     tally = RunTally(steps=1, progress=False)
     tally.dropped_resume, tally.imagined_dropped_resume = 1, 2
-    tally.on_failure({"role": "rollout_worker", "lost": 1, "unfinished": 5})
+    tally.on_failure(Failure("rollout_worker", "rollout_worker_0", 0.0, 0, "died", 1, 5))
     found = EmbodiedStats(
         workers=[
             worker(40, 3, 2, {}, ImaginedCounts(steps=30, episodes=4, successes=1)),

@@ -1,13 +1,15 @@
 """``Recovery.replace`` in isolation (fake actors, no Ray): one death seen by several loops is
-recorded and replaced once, and a replacement outlives the cancelled loop that started it."""
+recorded and replaced once, and a replacement outlives the cancelled loop that started it; the
+failure records' summary and checkpoint forms."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 
 from relayrl.launch import Group
-from relayrl.observability.metrics import RunTally
+from relayrl.observability.metrics import Failure, RunTally
 from relayrl.recovery import Recovery
 
 
@@ -81,15 +83,15 @@ def test_one_death_seen_by_two_loops_is_recorded_once_with_both_losses():
     new = asyncio.run(both())
     assert len(workload.made) == 1 and new == [workload.made[0]] * 2
     assert group[0] is workload.made[0]
-    assert [f["name"] for f in tally.failures] == ["rewarder"]
-    assert tally.failures[0]["lost"] == 24 and tally.lost == 24
-    assert tally.failures[0]["unfinished"] == 3
+    assert [f.name for f in tally.failures] == ["rewarder"]
+    assert tally.failures[0].lost == 24 and tally.lost == 24
+    assert tally.failures[0].unfinished == 3
 
     # A later loop reports the same old death once its replacement is in place: the books gain
     # what it lost, and the new actor is left alone.
     asyncio.run(recovery.replace(group, 0, err, lost=4, unfinished=None, dead=dead))
     assert len(workload.made) == 1 and tally.lost == 28
-    assert tally.failures[0]["unfinished"] is None  # one part unknown: the whole is unknown
+    assert tally.failures[0].unfinished is None  # one part unknown: the whole is unknown
 
     # A second death (of the replacement) is a second record and a second actor.
     asyncio.run(recovery.replace(group, 0, err))
@@ -113,3 +115,43 @@ def test_a_replacement_finishes_when_its_loop_is_cancelled():
     # The next loop (a final evaluation, say) that saw the death finds it handled.
     asyncio.run(recovery.replace(group, 0, RuntimeError("gone"), dead=dead))
     assert len(workload.made) == 1 and len(tally.failures) == 1
+
+
+def test_failures_render_by_role_as_plain_records_and_survive_a_checkpoint():
+    tally = RunTally(steps=1, progress=False)
+    tally.on_failure(Failure("generator", "generator_1", 12.5, 3, "RayActorError: gone", 8, 2))
+    index = tally.on_failure(Failure("rewarder", "rewarder", 13.0, 4, "killed", lost=5))
+    tally.on_failure_seen_again(index, lost=3, unfinished=None)
+    assert tally.lost == 16  # 8 + 5 + 3
+    summary = json.loads(json.dumps(tally.failure_summary()))
+    assert summary == {
+        "generator": [
+            {
+                "role": "generator",
+                "name": "generator_1",
+                "time": 12.5,
+                "step": 3,
+                "reason": "RayActorError: gone",
+                "lost": 8,
+                "unfinished": 2,
+            }
+        ],
+        "rewarder": [
+            {
+                "role": "rewarder",
+                "name": "rewarder",
+                "time": 13.0,
+                "step": 4,
+                "reason": "killed",
+                "lost": 8,
+                "unfinished": None,
+            }
+        ],
+    }
+    keys = ["role", "name", "time", "step", "reason", "lost", "unfinished"]
+    assert list(summary["generator"][0]) == keys  # in this order
+    state = tally.state_dict()
+    assert state["failures"][1] == summary["rewarder"][0]  # plain dicts in the checkpoint
+    resumed = RunTally(steps=1, progress=False)
+    resumed.load_state_dict(state)
+    assert resumed.failures == tally.failures and resumed.lost == 16

@@ -17,7 +17,7 @@ import ray
 from ray.exceptions import RayActorError
 
 from relayrl.launch import WeightSync
-from relayrl.observability.metrics import RunTally, say
+from relayrl.observability.metrics import Failure, RunTally, say
 from relayrl.roles import Group, Placed
 from relayrl.weight_sync import ReceiverLost
 
@@ -43,7 +43,7 @@ class Recovery:
         self.sync = sync
         self.tally = tally
         self.lock = asyncio.Lock()
-        self.deaths: dict[str, dict] = {}  # the failure record of each dead actor, by actor id
+        self.deaths: dict[str, int] = {}  # each dead actor's index in tally.failures, by actor id
 
     async def replace(
         self,
@@ -70,26 +70,15 @@ class Recovery:
         name = group.names[index]
         lost_receiver = isinstance(err, ReceiverLost)
         key = dead._actor_id.hex()
-        record = self.deaths.get(key)
-        if record is None:
+        if key in self.deaths:  # another loop's view of a death already recorded
+            self.tally.on_failure_seen_again(self.deaths[key], lost, unfinished)
+        else:
             reason = first_line(err)
-            record = {
-                "role": group.role,
-                "name": name,
-                "time": time.time(),
-                "step": self.tally.steps,
-                "reason": reason,
-                "lost": lost,
-                "unfinished": unfinished,
-            }
-            self.deaths[key] = record
-            self.tally.on_failure(record)
+            failure = Failure(
+                group.role, name, time.time(), self.tally.steps, reason, lost, unfinished
+            )
+            self.deaths[key] = self.tally.on_failure(failure)
             say(f"{name} {'is lost' if lost_receiver else 'died'} ({reason}); replacing it")
-        else:  # another loop's view of a death already recorded: what it lost joins the record
-            record["lost"] += lost
-            self.tally.lost += lost
-            held = record["unfinished"]
-            record["unfinished"] = None if None in (held, unfinished) else held + unfinished
         async with self.lock:
             if group.actors[index] is dead:
                 if lost_receiver:
@@ -106,7 +95,7 @@ class Recovery:
     async def _swap(self, group: Group, index: int) -> None:
         """A new actor in place of ``group[index]``, and weight sync reconnected to it."""
         name = group.names[index]
-        incarnation = sum(f["name"] == name for f in self.tally.failures)
+        incarnation = sum(f.name == name for f in self.tally.failures)
         group.actors[index] = await asyncio.to_thread(
             self.roles.recreate, group.role, index, incarnation
         )

@@ -7,11 +7,13 @@ Metric names are stable namespaces: ``loss/*``, ``rollout/*``, ``perf/*``, ``sta
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import sys
 import time
 from collections import Counter
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -141,6 +143,26 @@ class EssWatch:
         )
 
 
+@dataclass(frozen=True)
+class Failure:
+    """One executor that died (or, a weight-sync receiver, missed ``sync.timeout_s``) and was
+    replaced, and what died with it; summary.json's ``failures`` lists these by role."""
+
+    role: str
+    name: str
+    time: float  # unix seconds when it was found dead
+    step: int  # train steps taken by then
+    reason: str  # the first line of the error
+    lost: int = 0  # samples counted as generated that died with it
+    unfinished: int | None = 0  # work in progress it held, never counted (None: unknown)
+
+    def joined(self, lost: int, unfinished: int | None) -> Failure:
+        """This death as another loop saw it too: what that loop ``lost`` and held added (an
+        ``unfinished`` unknown in either makes the whole unknown)."""
+        held = None if None in (self.unfinished, unfinished) else self.unfinished + unfinished
+        return dataclasses.replace(self, lost=self.lost + lost, unfinished=held)
+
+
 class RunTally:
     """Run-level counts the controller keeps while the loop runs: samples, lags, step times."""
 
@@ -156,7 +178,7 @@ class RunTally:
         self.dropped_resume = 0  # in flight at a checkpoint a resume continued from
         self.imagined_dropped_resume = 0  # the same for imagined env steps
         self.lost = 0  # counted as generated, then died with an executor
-        self.failures: list[dict] = []  # executors that died and were replaced
+        self.failures: list[Failure] = []  # executors that died and were replaced, oldest first
         self.score_errors = 0
         self.score_timeouts = 0
         self.lag_hist: Counter[int] = Counter()
@@ -189,19 +211,29 @@ class RunTally:
         )
 
     def state_dict(self) -> dict:
-        """The counts and per-step times, for a run checkpoint."""
-        return {k: copy.deepcopy(getattr(self, k)) for k in TALLIED}
+        """The counts and per-step times, for a run checkpoint (the failures as plain dicts)."""
+        state = {k: copy.deepcopy(getattr(self, k)) for k in TALLIED}
+        return state | {"failures": [dataclasses.asdict(f) for f in self.failures]}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what ``state_dict`` saved (a count an older checkpoint lacks stays 0)."""
         for key in TALLIED:
             if key in state:
                 setattr(self, key, copy.deepcopy(state[key]))
+        self.failures = [Failure(**f) for f in state.get("failures", [])]
 
-    def on_failure(self, record: dict) -> None:
-        """An executor died (``record``: role, name, time, step, reason, lost, unfinished)."""
-        self.failures.append(record)
-        self.lost += record["lost"]
+    def on_failure(self, failure: Failure) -> int:
+        """An executor died: record ``failure`` and count the samples lost with it; returns its
+        index in ``failures``."""
+        self.failures.append(failure)
+        self.lost += failure.lost
+        return len(self.failures) - 1
+
+    def on_failure_seen_again(self, index: int, lost: int, unfinished: int | None) -> None:
+        """Another loop saw death ``index`` (of ``failures``) too: what it ``lost`` and held
+        join that record."""
+        self.failures[index] = self.failures[index].joined(lost, unfinished)
+        self.lost += lost
 
     def books(self, in_flight: Mapping[str, int] | None = None, **beside: Any) -> Books:
         """The books of the samples the controller counts (an LLM run's), with the samples
@@ -216,11 +248,11 @@ class RunTally:
             beside=beside,
         )
 
-    def failure_summary(self) -> dict:
-        """summary.json's ``failures``: each role's deaths, oldest first."""
+    def failure_summary(self) -> dict[str, list[dict]]:
+        """summary.json's ``failures``: each role's deaths, oldest first, as plain dicts."""
         by_role: dict[str, list[dict]] = {}
-        for record in self.failures:
-            by_role.setdefault(record["role"], []).append(record)
+        for failure in self.failures:
+            by_role.setdefault(failure.role, []).append(dataclasses.asdict(failure))
         return by_role
 
     def on_generated(self, samples: int, busy_s: float) -> None:

@@ -61,7 +61,7 @@ def real_books(
     ones' ``retired`` books: worker id -> (env steps, steps dropped by env errors)), with the
     ``prefetched`` steps a fetch took that no trainer rank received."""
     workers, trainers, buffer = found.workers, found.trainers, found.buffer
-    unfinished = [f["unfinished"] for f in tally.failures]  # rollout workers' (others: 0)
+    unfinished = [f.unfinished for f in tally.failures]  # rollout workers' (others: 0)
     return Books(
         unit="env_steps",
         generated=sum(w.env_steps for w in workers) + sum(s for s, _ in retired.values()),

@@ -267,7 +267,7 @@ class LLMWorkload:
             "stages": {group.role: _stage_books(group) for group in self.scorers()},
             "samples": tally.books(
                 in_flight={"pipeline": loop.in_flight},
-                lost_unfinished=sum(f["unfinished"] for f in tally.failures),
+                lost_unfinished=sum(f.unfinished for f in tally.failures),
                 unfinished_partials=sum(s.pending for s in stats),
                 score_errors=tally.score_errors,
                 score_timeouts=tally.score_timeouts,
