@@ -38,6 +38,7 @@ BUILTIN_LOSSES = (
     "m2po",
     "m2po_release",
     "mis_seq",
+    "mis_seq_verl",
     "pg",
     "ppo_clip",
     "tis_seq",
@@ -409,13 +410,16 @@ class TrainerConfig(_Section):
         0.5,
         gt=0,
         le=1,
-        description="mis_seq: sequences whose weight prod(pi/mu) is below this are masked out.",
+        description="mis_seq, mis_seq_verl: sequences whose weight prod(pi/mu) is below this are "
+        "masked out (mis_seq_verl: and leave the token-mean's denominator, as in verl).",
     )
     seq_mis_upper: float = Field(
         2.0,
         ge=1,
-        description="mis_seq: sequences whose weight prod(pi/mu) is above this are masked out.",
+        description="mis_seq, mis_seq_verl: sequences whose weight prod(pi/mu) is above this are "
+        "masked out.",
     )
+
     m2po_tau: float = Field(
         0.04,
         gt=0,
@@ -732,8 +736,8 @@ class LLMExperimentConfig(_Section):
         True,
         description="Leave groups whose rewards are all equal (zero advantage, zero gradient) "
         "out of the forward/backward pass; the loss is rescaled so the update is unchanged. "
-        "Not with m2po or ess_aipo, whose batch statistics count every group's tokens. false: "
-        "every batch takes an optimizer step and a version, so a forced lag "
+        "Not with m2po, ess_aipo or mis_seq_verl, whose batch statistics count every group's "
+        "tokens. false: every batch takes an optimizer step and a version, so a forced lag "
         "(generator.min_lag) is exact whatever the rewards, and the work per step is that of "
         "a trainer that does not skip.",
     )

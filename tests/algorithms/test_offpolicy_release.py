@@ -1,12 +1,27 @@
-"""The stale-data corrections as their authors ship them (m2po_release, mis_seq_verl, geo_mask,
-VCPO's baseline), and the ``kept_frac`` every loss reports, against hand-derived numbers."""
+"""The stale-data corrections as their authors ship them (m2po_release, mis_seq_verl), and the
+``kept_frac`` every loss reports, against hand-derived numbers."""
 
+import inspect
 import math
+from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
-from relayrl.algorithms.losses import LOSSES, m2po_release_loss, m2po_release_threshold
+from relayrl import parallel
+from relayrl.algorithms.losses import (
+    BATCH_STATISTICS,
+    LOSSES,
+    kept_token_share,
+    m2po_release_loss,
+    m2po_release_threshold,
+    mis_seq_verl_loss,
+    token_sequence_log_weights,
+)
+from relayrl.config import load_config
 
 TOL = {"atol": 1e-5, "rtol": 0.0}
 NAN, INF = float("nan"), float("inf")
@@ -138,3 +153,165 @@ def test_m2po_release_clipped_ratio_too_large_for_exp_leaves_a_finite_gradient()
     close(loss, -1.0)
     close(logp.grad, [[0.0, -1 / 3, -1 / 3]])
     assert metrics["clip_frac"] == pytest.approx(1 / 3)
+
+
+def three_sequences():
+    """Rows of 3, 1 and 2 valid tokens, mu = -1, non-finite padding. Log-ratios A [0.2, -0.1,
+    0.3], B [-0.5], C [1.0, 0.5]: W_A = e^0.4 = 1.49182, W_B = e^-0.5 = 0.60653, W_C = e^1.5.
+    Advantages per sequence: A 1, B -2, C 0.5. Sums of log pi: A -2.6, B -1.5, C -0.5."""
+    logp = leaf([[-0.8, -1.1, -0.7], [-1.5, NAN, -INF], [0.0, -0.5, NAN]])
+    mu_logp = torch.tensor([[-1.0, -1.0, -1.0], [-1.0, -INF, INF], [-1.0, -1.0, NAN]])
+    advantages = torch.tensor([[1.0, 1.0, 1.0], [-2.0, INF, NAN], [0.5, 0.5, -INF]])
+    mask = torch.tensor([[True, True, True], [True, False, False], [True, True, False]])
+    return logp, mu_logp, advantages, mask
+
+
+def test_mis_seq_verl_divides_by_the_kept_tokens_only_by_hand():
+    logp, mu_logp, advantages, mask = three_sequences()
+
+    loss, metrics = mis_seq_verl_loss(logp, mu_logp, advantages, mask, lower=0.7, upper=2.0)
+    loss.backward()
+
+    # B (W = 0.60653 < 0.7) and C (W = 4.48 > 2) are rejected; A keeps W_A = 1.49182. mis_seq
+    # divides by all 6 valid tokens (0.64646); verl by A's 3: -(1.49182 * 1 * (-2.6)) / 3
+    close(loss, 1.29292)
+    close(logp.grad, [[-0.49727] * 3, [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    assert metrics["kept_share"] == 0.5
+    close(metrics["clip_frac"], 0.5)
+
+
+def test_mis_seq_verl_rejecting_every_sequence_gives_zero_loss_and_gradient():
+    logp, mu_logp, advantages, mask = three_sequences()
+    # [0.95, 1.05] rejects all three sequences: 0 kept tokens, a zero loss rather than 0 / 0
+    loss, metrics = mis_seq_verl_loss(logp, mu_logp, advantages, mask, lower=0.95, upper=1.05)
+    loss.backward()
+    assert loss.item() == 0.0
+    assert torch.equal(logp.grad, torch.zeros(3, 3))
+    assert (metrics["kept_share"], metrics["kept_frac"]) == (0.0, 0.0)
+
+
+def test_kept_token_share_counts_tokens_not_sequences_by_hand():
+    logp, mu_logp, _, mask = three_sequences()
+    # each valid token carries its sequence's log W: A 0.4 (3 tokens), B -0.5, C 1.5 (2 tokens)
+    values = token_sequence_log_weights(logp, mu_logp, mask)
+    close(values, [0.4, 0.4, 0.4, -0.5, 1.5, 1.5])
+    # [0.7, 5] keeps A and C: 5 tokens of 6 (counting sequences would give 2 of 3)
+    assert kept_token_share(values, 0.7, 5.0) == pytest.approx(5 / 6)
+    assert kept_token_share(torch.tensor([]), 0.5, 2.0) == 1.0
+
+
+@pytest.mark.parametrize(
+    ("loss", "options"),
+    [
+        ("m2po_release", {"m2po_release_budget": 0.02}),
+        ("mis_seq_verl", {"seq_mis_lower": 0.25, "seq_mis_upper": 3.0}),
+    ],
+)
+def test_a_config_takes_each_new_loss_with_its_options(loss, options):
+    overrides = [f"trainer.loss={loss}", *(f"trainer.{k}={v}" for k, v in options.items())]
+    trainer = load_config(None, overrides).trainer
+    assert trainer.loss == loss
+    assert {k: getattr(trainer, k) for k in options} == options
+
+
+# Two gloo ranks, each with half of a batch, as a trainer shards it (whole sequences per rank).
+
+
+def stale_batch(seed: int, scale: float, rows: int = 8, width: int = 5):
+    """Rows of random lengths, log-ratios within +-scale, advantages per row, nan padding."""
+    generator = torch.Generator().manual_seed(seed)
+    logp = torch.randn(rows, width, generator=generator) - 2.0
+    mu_logp = logp - (torch.rand(rows, width, generator=generator) * 2 - 1) * scale
+    advantages = torch.randn(rows, 1, generator=generator).expand(rows, width).clone()
+    lengths = torch.randint(1, width + 1, (rows,), generator=generator)
+    mask = torch.arange(width)[None, :] < lengths[:, None]
+    logp[~mask], mu_logp[~mask], advantages[~mask] = NAN, -INF, INF
+    return logp, mu_logp, advantages, mask
+
+
+# name: the batch (seed, log-ratio scale) that rejects or clips part of each half differently
+RANK_CASES = {"mis_seq_verl": (2, 0.6), "m2po_release": (3, 0.6)}
+
+
+def defaults(name: str) -> dict:
+    parameters = inspect.signature(LOSSES[name]).parameters.values()
+    return {p.name: p.default for p in parameters if p.default is not p.empty}
+
+
+def shard_step(name: str, batch, rows: slice, gather: bool) -> tuple[float, torch.Tensor]:
+    """One rank's loss (weighted by its token share, as the trainer weights it) and gradient,
+    with the batch statistic gathered over the ranks as ``PolicyCore.loss_options`` does, or
+    the rank's own."""
+    logp, mu_logp, advantages, mask = batch
+    shard_logp = logp[rows].clone().requires_grad_()
+    kwargs = {}
+    if gather and name in BATCH_STATISTICS:
+        keyword, contribute, reduce = BATCH_STATISTICS[name]
+        values = parallel.gather_cat(contribute(shard_logp.detach(), mu_logp[rows], mask[rows]))
+        kwargs = {keyword: reduce(values, defaults(name))}
+    loss, _ = LOSSES[name](shard_logp, mu_logp[rows], advantages[rows], mask[rows], **kwargs)
+    loss = loss * (mask[rows].sum() / mask.sum())
+    loss.backward()
+    return float(loss.detach()), shard_logp.grad
+
+
+def ranks_step(rank: int, world: int, store_path: str, out_dir: str) -> None:
+    store = dist.FileStore(store_path, world)
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60)
+    )
+    try:
+        rows = slice(4 * rank, 4 * rank + 4)
+        results = {}
+        for name, (seed, scale) in RANK_CASES.items():
+            batch = stale_batch(seed, scale)
+            results[name, True] = shard_step(name, batch, rows, gather=True)
+            results[name, False] = shard_step(name, batch, rows, gather=False)
+        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> dict:
+    """Every case's (loss, gradient) summed over two gloo ranks, with and without the gather."""
+    out = tmp_path_factory.mktemp("ranks")
+    mp.spawn(ranks_step, args=(2, str(out / "store"), str(out)), nprocs=2, join=True)
+    ranks = [torch.load(out / f"rank{rank}.pt") for rank in range(2)]
+    return {
+        key: (sum(r[key][0] for r in ranks), torch.cat([r[key][1] for r in ranks]))
+        for key in ranks[0]
+    }
+
+
+def one_process(name: str, micro_batches: int) -> tuple[float, torch.Tensor]:
+    """The whole batch in one process, as one call or as consecutive micro-batches of rows."""
+    batch = stale_batch(*RANK_CASES[name])
+    size = len(batch[0]) // micro_batches
+    steps = [
+        shard_step(name, batch, slice(i * size, (i + 1) * size), gather=False)
+        for i in range(micro_batches)
+    ]
+    return sum(loss for loss, _ in steps), torch.cat([grad for _, grad in steps])
+
+
+@pytest.mark.parametrize("name", ["mis_seq_verl"])
+def test_two_ranks_gathering_the_kept_share_take_the_whole_batchs_step(two_ranks, name):
+    whole_loss, whole_grad = one_process(name, micro_batches=1)
+    loss, grad = two_ranks[name, True]
+    assert loss == pytest.approx(whole_loss, abs=1e-6)
+    torch.testing.assert_close(grad, whole_grad, atol=1e-6, rtol=0)
+    # without the gather each rank divides by its own kept share, and the step differs
+    alone_loss, _ = two_ranks[name, False]
+    assert abs(alone_loss - whole_loss) > 1e-3
+
+
+def test_m2po_release_on_two_ranks_equals_one_process_given_the_same_micro_batches(two_ranks):
+    assert "m2po_release" not in BATCH_STATISTICS
+    loss, grad = two_ranks["m2po_release", True]
+    micro_loss, micro_grad = one_process("m2po_release", micro_batches=2)
+    assert loss == pytest.approx(micro_loss, abs=1e-6)
+    torch.testing.assert_close(grad, micro_grad, atol=1e-6, rtol=0)
+    # the statistic is the micro-batch's: one call over the whole batch clips differently
+    whole_loss, _ = one_process("m2po_release", micro_batches=1)
+    assert abs(whole_loss - loss) > 1e-3

@@ -18,7 +18,9 @@ Aggregation is a token-mean over every valid token in the batch: sum over masked
 the number of masked tokens (DAPO's token-level mean). DeepSeekMath's GRPO instead averages within
 each sequence first, and Dr. GRPO divides by a constant; we use the token-mean so that long and
 short responses weigh each token equally. Tokens a loss truncates, masks or clips still count in
-the denominator, so the denominator never depends on the policy. An all-zero mask gives a zero loss
+the denominator, so the denominator never depends on the policy, except in ``mis_seq_verl``,
+which replicates verl's dropping of rejected tokens from it (it divides by the batch's kept
+tokens instead). An all-zero mask gives a zero loss
 still connected to ``logp``, so backward() works on a batch with nothing to learn from. Padding may
 hold anything, nan and inf included, in any input: it reaches neither the loss nor the gradient.
 
@@ -27,12 +29,17 @@ does); the python-scalar keyword arguments never promote it to float32.
 
 Batch statistics and ranks: a trainer that shards a batch over N ranks takes each rank's token-mean
 times its share of the tokens, which sums to the whole batch's token-mean. That holds for every
-loss whose per-token terms depend only on their own sequence. Two losses also depend on a statistic
-of the whole batch, and take it as an optional keyword (None: computed from the tensors given,
-which is right for one rank):
+loss whose per-token terms depend only on their own sequence. Three losses also depend on a
+statistic of the whole batch, and take it as an optional keyword (None: computed from the tensors
+given, which is right for one rank); ``BATCH_STATISTICS`` lists them for the trainer:
 
 - ``m2po``: ``cutoff=m2po_cutoff(torch.cat(ranks' m2po_sq_log_ratios(...)), tau)``
 - ``ess_aipo``: ``ess=normalized_ess(torch.cat(ranks' sequence_log_weights(...)))``
+- ``mis_seq_verl``: ``kept_share=kept_token_share(torch.cat(ranks'
+  token_sequence_log_weights(...)), lower, upper)``
+
+``m2po_release`` is the exception by design: like its authors' code it takes its statistic per
+call (per micro-batch), so ranks that split a batch do not take the whole batch's step.
 
 Sequences must not be split across ranks (the trainer shards by whole groups).
 
@@ -312,11 +319,13 @@ def mis_seq_loss(
     on the sequences trusted enough to keep. Where truncation (``tis_seq_loss``) still learns from
     an outlier with weight C, MIS refuses to learn from it at all.
 
-    Where we differ: verl also removes rejected tokens from the token-mean's denominator; we keep
-    them, like every loss here, so the denominator does not depend on the policy, a batch with
-    many rejections makes a smaller step rather than a larger one, and ranks need no shared count.
-    The bounds are compared in log space (log lower <= sum_t log r_t <= log upper), so no weight
-    overflows; both ends are inclusive. ``lower <= 1 <= upper`` keeps every on-policy sequence.
+    Where we differ: verl also removes rejected tokens from the token-mean's denominator
+    (``mis_seq_verl_loss`` does too); we keep them, like most losses here, so the denominator
+    does not depend on the policy, a batch with many rejections makes a smaller step rather than
+    a larger one, and ranks need no shared count.
+    The bounds are compared in log space (log lower <= sum_t log r_t <= log upper, in float32, the
+    precision ``kept_token_share`` compares gathered weights in), so no weight overflows; both
+    ends are inclusive. ``lower <= 1 <= upper`` keeps every on-policy sequence.
 
     Args:
         logp, mu_logp, advantages, mask: [B, T], see the module docstring.
@@ -331,12 +340,74 @@ def mis_seq_loss(
         raise ValueError(f"need 0 < lower <= 1 <= upper, got lower={lower}, upper={upper}")
     mask, log_ratio, advantages = _prepare(logp, mu_logp, advantages, mask)
     seq_log_weight = _sequence_log_weight(log_ratio, mask)
-    kept = (seq_log_weight >= math.log(lower)) & (seq_log_weight <= math.log(upper))
+    kept = _within(seq_log_weight, lower, upper)
     # exp(-inf) = 0 on rejected sequences, whose weight may be too large for exp().
     weight = torch.where(kept, seq_log_weight, -math.inf).exp().to(log_ratio.dtype)
     loss = -masked_mean(weight[:, None] * advantages * logp, mask)
     rejected = ~kept[:, None].expand_as(mask)
     return loss, _metrics(log_ratio, rejected, mask, advantages, dropped=rejected)
+
+
+def mis_seq_verl_loss(
+    logp: Tensor,
+    mu_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    lower: float = 0.5,
+    upper: float = 2.0,
+    kept_share: float | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """``mis_seq`` as verl aggregates it: rejected sequences leave the token-mean's denominator.
+
+    loss = -sum_{t in kept i} sg(W_i) * A_t * log pi_t / (valid tokens of the kept sequences)
+         = mis_seq_loss / kept_share,   kept_share = kept valid tokens / valid tokens
+
+    verl's rejection sampling (``compute_rollout_rejection_mask``, rollout_rs="sequence")
+    multiplies the response mask by the acceptance mask, and the loss's token-mean then runs over
+    the modified mask: a batch that rejects half its tokens makes each kept token count twice as
+    much as ``mis_seq`` does. The update is ``mis_seq``'s otherwise (kept sequences weighted by
+    W_i, rejected ones zero), so d loss / d log pi_t = -W_i * A_t / n_kept on kept sequences.
+    Where every sequence is rejected the loss is 0.0 with a zero gradient, not 0 / 0.
+
+    kept_share is a statistic of the whole batch: ranks that each hold part of it pass
+    ``kept_token_share`` of every rank's ``token_sequence_log_weights`` (``BATCH_STATISTICS``),
+    so each rank's loss, weighted by its token share as for every loss, sums to the batch's.
+
+    Args:
+        logp, mu_logp, advantages, mask: [B, T], see the module docstring.
+        lower: smallest accepted sequence weight, in (0, 1].
+        upper: largest accepted sequence weight, >= 1.
+        kept_share: the batch's share of valid tokens in accepted sequences, in [0, 1]; None
+            computes it from this batch.
+
+    Returns:
+        The scalar loss and ``mis_seq``'s metrics plus ``kept_share``, the share it divided by.
+    """
+    loss, metrics = mis_seq_loss(logp, mu_logp, advantages, mask, lower=lower, upper=upper)
+    if kept_share is None:
+        kept_share = kept_token_share(token_sequence_log_weights(logp, mu_logp, mask), lower, upper)
+    return _over_kept(loss, kept_share), metrics | {"kept_share": kept_share}
+
+
+def token_sequence_log_weights(logp: Tensor, mu_logp: Tensor, mask: Tensor) -> Tensor:
+    """log W_i of each valid token's sequence, W_i = prod_{t in i} pi_t / mu_t: [B, T] in, [n]
+    out (row-major over the valid tokens). What a rank contributes to ``kept_token_share`` of
+    ``mis_seq_verl``."""
+    _check_shapes(logp=logp, mu_logp=mu_logp, mask=mask)
+    mask = mask.bool()
+    seq = _sequence_log_weight(_log_ratio(logp, mu_logp, mask), mask)
+    return seq[:, None].expand_as(mask)[mask]
+
+
+def kept_token_share(log_values: Tensor, lower: float, upper: float) -> float:
+    """The share of tokens whose sequence is accepted: the fraction of ``log_values`` (one per
+    valid token, e.g. every rank's ``token_sequence_log_weights``, any order) within
+    [log lower, log upper], compared in float32 as the losses compare them; 1.0 when empty."""
+    log_values = log_values.detach().flatten()
+    if log_values.numel() == 0:
+        return 1.0
+    return float(_within(log_values, lower, upper).double().mean())
 
 
 def m2po_loss(
@@ -610,6 +681,7 @@ LOSSES: dict[str, LossFn] = {
     "gipo": gipo_loss,
     "tis_seq": tis_seq_loss,
     "mis_seq": mis_seq_loss,
+    "mis_seq_verl": mis_seq_verl_loss,
     "m2po": m2po_loss,
     "m2po_release": m2po_release_loss,
     "ess_aipo": ess_aipo_loss,
@@ -625,6 +697,7 @@ LOSS_OPTIONS: dict[str, dict[str, str]] = {
     "gipo": {"sigma": "gipo_sigma", "neg_ratio": "gipo_neg_ratio"},
     "tis_seq": {"cap": "seq_is_cap"},
     "mis_seq": {"lower": "seq_mis_lower", "upper": "seq_mis_upper"},
+    "mis_seq_verl": {"lower": "seq_mis_lower", "upper": "seq_mis_upper"},
     "m2po": {"tau": "m2po_tau"},
     "m2po_release": {"budget": "m2po_release_budget"},
     "ess_aipo": {"rho": "aipo_rho"},
@@ -650,6 +723,11 @@ def batch_health(log_ratios: Tensor) -> dict[str, float]:
 BATCH_STATISTICS: dict[str, tuple[str, Callable[..., Tensor], Callable[..., float]]] = {
     "m2po": ("cutoff", m2po_sq_log_ratios, lambda values, kw: m2po_cutoff(values, kw["tau"])),
     "ess_aipo": ("ess", sequence_log_weights, lambda values, kw: normalized_ess(values)),
+    "mis_seq_verl": (
+        "kept_share",
+        token_sequence_log_weights,
+        lambda values, kw: kept_token_share(values, kw["lower"], kw["upper"]),
+    ),
 }
 
 
@@ -698,6 +776,21 @@ def _ppo_clip_terms(
     unclipped = ratio * advantages
     clipped = ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantages
     return torch.minimum(unclipped, clipped), clipped < unclipped
+
+
+def _within(log_values: Tensor, lower: float, upper: float) -> Tensor:
+    """log lower <= log_values <= log upper, compared in float32, so that a rank's own values
+    and the float64 copies gathered from every rank are judged alike."""
+    log_values = log_values.float()
+    return (log_values >= math.log(lower)) & (log_values <= math.log(upper))
+
+
+def _over_kept(loss: Tensor, kept_share: float) -> Tensor:
+    """A token-mean over the valid tokens turned into one over the kept tokens; a loss with no
+    kept token (0.0, no gradient) stays as it is."""
+    if not 0 <= kept_share <= 1:
+        raise ValueError(f"kept_share must be in [0, 1], got kept_share={kept_share}")
+    return loss / kept_share if kept_share > 0 else loss
 
 
 def _ess(log_weights: Tensor, mask: Tensor) -> Tensor:
