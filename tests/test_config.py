@@ -212,7 +212,7 @@ def test_unknown_loss_lists_the_losses():
     message = config_error(ARITH, ["trainer.loss=grpo_magic"])
 
     assert message.startswith("trainer.loss = 'grpo_magic': unknown loss")
-    assert "aipo, aipo_clamp, ess_aipo, gipo, m2po, m2po_release, mis_seq" in message
+    assert "aipo, aipo_clamp, ess_aipo, geo_mask, gipo, m2po, m2po_release, mis_seq" in message
     for loss in LOSSES:
         assert loss in message
 

@@ -157,7 +157,7 @@ def test_a_saved_config_leaves_out_what_its_run_does_not_read_and_loads_again(tm
 @pytest.mark.parametrize(
     ("loss", "option", "owners"),
     [
-        ("aipo", "ppo_clip_eps", "ppo_clip"),
+        ("aipo", "ppo_clip_eps", "ppo_clip and geo_mask"),
         ("ppo_clip", "aipo_rho", "aipo and aipo_clamp and ess_aipo"),
         ("pg", "seq_mis_lower", "mis_seq and mis_seq_verl"),
         ("gipo", "m2po_tau", "m2po"),

@@ -34,6 +34,7 @@ BUILTIN_LOSSES = (
     "aipo",
     "aipo_clamp",
     "ess_aipo",
+    "geo_mask",
     "gipo",
     "m2po",
     "m2po_release",
@@ -395,7 +396,9 @@ class TrainerConfig(_Section):
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     grad_clip: float = Field(1.0, gt=0, description="Global gradient-norm clip.")
     aipo_rho: float = Field(4.0, gt=0, description="AIPO truncation rho (LlamaRL uses 2..10).")
-    ppo_clip_eps: float = Field(0.2, gt=0, lt=1, description="PPO-clip epsilon.")
+    ppo_clip_eps: float = Field(
+        0.2, gt=0, lt=1, description="PPO-clip epsilon (ppo_clip, geo_mask)."
+    )
     gipo_sigma: float = Field(1.0, gt=0, description="GIPO Gaussian width for positive advantages.")
     gipo_neg_ratio: float = Field(
         0.5, gt=0, description="GIPO: negative advantages use sigma * neg_ratio."
@@ -419,7 +422,20 @@ class TrainerConfig(_Section):
         description="mis_seq, mis_seq_verl: sequences whose weight prod(pi/mu) is above this are "
         "masked out.",
     )
-
+    geo_mask_low: float = Field(
+        0.99,
+        gt=0,
+        le=1,
+        description="geo_mask: sequences whose geometric-mean ratio exp(mean log pi/mu) is below "
+        "this are masked out and leave the token-mean's denominator (SkyRL's recommended 0.99); "
+        "the rest train on PPO's clip (trainer.ppo_clip_eps).",
+    )
+    geo_mask_high: float = Field(
+        1.01,
+        ge=1,
+        description="geo_mask: sequences whose geometric-mean ratio is above this are masked out "
+        "(SkyRL's recommended 1.01).",
+    )
     m2po_tau: float = Field(
         0.04,
         gt=0,
@@ -736,8 +752,8 @@ class LLMExperimentConfig(_Section):
         True,
         description="Leave groups whose rewards are all equal (zero advantage, zero gradient) "
         "out of the forward/backward pass; the loss is rescaled so the update is unchanged. "
-        "Not with m2po, ess_aipo or mis_seq_verl, whose batch statistics count every group's "
-        "tokens. false: every batch takes an optimizer step and a version, so a forced lag "
+        "Not with m2po, ess_aipo, mis_seq_verl or geo_mask, whose batch statistics count every "
+        "group's tokens. false: every batch takes an optimizer step and a version, so a forced lag "
         "(generator.min_lag) is exact whatever the rewards, and the work per step is that of "
         "a trainer that does not skip.",
     )

@@ -1,5 +1,5 @@
-"""The stale-data corrections as their authors ship them (m2po_release, mis_seq_verl), and the
-``kept_frac`` every loss reports, against hand-derived numbers."""
+"""The stale-data corrections as their authors ship them (m2po_release, mis_seq_verl, geo_mask,
+VCPO's baseline), and the ``kept_frac`` every loss reports, against hand-derived numbers."""
 
 import inspect
 import math
@@ -15,11 +15,13 @@ from relayrl import parallel
 from relayrl.algorithms.losses import (
     BATCH_STATISTICS,
     LOSSES,
+    geo_mask_loss,
     kept_token_share,
     m2po_release_loss,
     m2po_release_threshold,
     mis_seq_verl_loss,
     token_sequence_log_weights,
+    token_sequence_mean_log_ratios,
 )
 from relayrl.config import load_config
 
@@ -190,6 +192,46 @@ def test_mis_seq_verl_rejecting_every_sequence_gives_zero_loss_and_gradient():
     assert (metrics["kept_share"], metrics["kept_frac"]) == (0.0, 0.0)
 
 
+def geo_batch():
+    """Three rows of two tokens, mu = 0 so log r = logp. Row 0: [0.004, -0.002], mean 0.001,
+    G = 1.001; row 1: [0.5, 0.3], G = e^0.4 = 1.49; row 2: [0.3, -0.31], mean -0.005, G = 0.995.
+    Advantages per row: 1, -1, 1."""
+    logp = leaf([[0.004, -0.002], [0.5, 0.3], [0.3, -0.31]])
+    advantages = torch.tensor([[1.0, 1.0], [-1.0, -1.0], [1.0, 1.0]])
+    return logp, torch.zeros(3, 2), advantages, torch.ones(3, 2)
+
+
+def test_geo_mask_masks_by_the_geometric_mean_and_clips_the_rest_by_hand():
+    logp, mu_logp, advantages, mask = geo_batch()
+
+    loss, metrics = geo_mask_loss(logp, mu_logp, advantages, mask)
+    loss.backward()
+
+    # SkyRL's [0.99, 1.01]: rows 0 and 2 kept, row 1 masked; 4 kept tokens of 6.
+    # Row 2, token 0: r = e^0.3 = 1.34986 > 1.2 with A > 0, clipped to the constant 1.2; token 1:
+    # r = e^-0.31 = 0.73345 with A > 0, PPO keeps the unclipped r * A (it is the smaller).
+    # loss = -(e^0.004 + e^-0.002 + 1.2 + e^-0.31) / 4 = -(1.00401 + 0.99800 + 1.2 + 0.73345) / 4
+    close(loss, -0.983864)
+    # grad = -r * A / 4 on kept, unclipped tokens; 0 on the masked row and the clipped token
+    close(logp.grad, [[-0.251002, -0.249500], [0.0, 0.0], [0.0, -0.183362]])
+    close(metrics["kept_share"], 4 / 6)
+    close(metrics["clip_frac"], 3 / 6)  # two masked, one clipped
+    close(metrics["kept_frac"], 3 / 6)
+
+
+def test_geo_mask_bound_does_not_grow_with_the_length():
+    # Every token at log r = 0.008: G = e^0.008 = 1.008 whatever the length, kept by geo_mask;
+    # the product W = e^(0.008 * 100) = 2.23 of the long row is rejected by mis_seq's upper 2.
+    logp = leaf([[0.008] * 100, [0.008] * 2 + [NAN] * 98])
+    mask = torch.zeros(2, 100, dtype=torch.bool)
+    mask[0], mask[1, :2] = True, True
+    advantages, mu_logp = torch.ones(2, 100), torch.zeros(2, 100)
+    _, geo = geo_mask_loss(logp, mu_logp, advantages, mask)
+    _, mis = mis_seq_verl_loss(logp, mu_logp, advantages, mask)
+    assert geo["kept_share"] == 1.0
+    close(mis["kept_share"], 2 / 102)
+
+
 def test_kept_token_share_counts_tokens_not_sequences_by_hand():
     logp, mu_logp, _, mask = three_sequences()
     # each valid token carries its sequence's log W: A 0.4 (3 tokens), B -0.5, C 1.5 (2 tokens)
@@ -197,6 +239,7 @@ def test_kept_token_share_counts_tokens_not_sequences_by_hand():
     close(values, [0.4, 0.4, 0.4, -0.5, 1.5, 1.5])
     # [0.7, 5] keeps A and C: 5 tokens of 6 (counting sequences would give 2 of 3)
     assert kept_token_share(values, 0.7, 5.0) == pytest.approx(5 / 6)
+    close(token_sequence_mean_log_ratios(logp, mu_logp, mask), [0.4 / 3] * 3 + [-0.5, 0.75, 0.75])
     assert kept_token_share(torch.tensor([]), 0.5, 2.0) == 1.0
 
 
@@ -205,6 +248,7 @@ def test_kept_token_share_counts_tokens_not_sequences_by_hand():
     [
         ("m2po_release", {"m2po_release_budget": 0.02}),
         ("mis_seq_verl", {"seq_mis_lower": 0.25, "seq_mis_upper": 3.0}),
+        ("geo_mask", {"geo_mask_low": 0.9, "geo_mask_high": 1.1, "ppo_clip_eps": 0.3}),
     ],
 )
 def test_a_config_takes_each_new_loss_with_its_options(loss, options):
@@ -212,6 +256,11 @@ def test_a_config_takes_each_new_loss_with_its_options(loss, options):
     trainer = load_config(None, overrides).trainer
     assert trainer.loss == loss
     assert {k: getattr(trainer, k) for k in options} == options
+
+
+def test_geo_mask_options_are_refused_with_another_loss():
+    with pytest.raises(ValueError, match="an option of loss geo_mask"):
+        load_config(None, ["trainer.loss=aipo", "trainer.geo_mask_high=1.1"])
 
 
 # Two gloo ranks, each with half of a batch, as a trainer shards it (whole sequences per rank).
@@ -230,7 +279,7 @@ def stale_batch(seed: int, scale: float, rows: int = 8, width: int = 5):
 
 
 # name: the batch (seed, log-ratio scale) that rejects or clips part of each half differently
-RANK_CASES = {"mis_seq_verl": (2, 0.6), "m2po_release": (3, 0.6)}
+RANK_CASES = {"mis_seq_verl": (2, 0.6), "geo_mask": (2, 0.03), "m2po_release": (3, 0.6)}
 
 
 def defaults(name: str) -> dict:
@@ -295,7 +344,7 @@ def one_process(name: str, micro_batches: int) -> tuple[float, torch.Tensor]:
     return sum(loss for loss, _ in steps), torch.cat([grad for _, grad in steps])
 
 
-@pytest.mark.parametrize("name", ["mis_seq_verl"])
+@pytest.mark.parametrize("name", ["mis_seq_verl", "geo_mask"])
 def test_two_ranks_gathering_the_kept_share_take_the_whole_batchs_step(two_ranks, name):
     whole_loss, whole_grad = one_process(name, micro_batches=1)
     loss, grad = two_ranks[name, True]

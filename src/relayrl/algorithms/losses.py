@@ -18,9 +18,9 @@ Aggregation is a token-mean over every valid token in the batch: sum over masked
 the number of masked tokens (DAPO's token-level mean). DeepSeekMath's GRPO instead averages within
 each sequence first, and Dr. GRPO divides by a constant; we use the token-mean so that long and
 short responses weigh each token equally. Tokens a loss truncates, masks or clips still count in
-the denominator, so the denominator never depends on the policy, except in ``mis_seq_verl``,
-which replicates verl's dropping of rejected tokens from it (it divides by the batch's kept
-tokens instead). An all-zero mask gives a zero loss
+the denominator, so the denominator never depends on the policy, except in the two losses that
+replicate frameworks which drop rejected tokens from it (``mis_seq_verl``, ``geo_mask``; they
+divide by the batch's kept tokens instead). An all-zero mask gives a zero loss
 still connected to ``logp``, so backward() works on a batch with nothing to learn from. Padding may
 hold anything, nan and inf included, in any input: it reaches neither the loss nor the gradient.
 
@@ -29,7 +29,7 @@ does); the python-scalar keyword arguments never promote it to float32.
 
 Batch statistics and ranks: a trainer that shards a batch over N ranks takes each rank's token-mean
 times its share of the tokens, which sums to the whole batch's token-mean. That holds for every
-loss whose per-token terms depend only on their own sequence. Three losses also depend on a
+loss whose per-token terms depend only on their own sequence. Four losses also depend on a
 statistic of the whole batch, and take it as an optional keyword (None: computed from the tensors
 given, which is right for one rank); ``BATCH_STATISTICS`` lists them for the trainer:
 
@@ -37,6 +37,8 @@ given, which is right for one rank); ``BATCH_STATISTICS`` lists them for the tra
 - ``ess_aipo``: ``ess=normalized_ess(torch.cat(ranks' sequence_log_weights(...)))``
 - ``mis_seq_verl``: ``kept_share=kept_token_share(torch.cat(ranks'
   token_sequence_log_weights(...)), lower, upper)``
+- ``geo_mask``: ``kept_share=kept_token_share(torch.cat(ranks'
+  token_sequence_mean_log_ratios(...)), lower, upper)``
 
 ``m2po_release`` is the exception by design: like its authors' code it takes its statistic per
 call (per micro-batch), so ranks that split a batch do not take the whole batch's step.
@@ -390,6 +392,66 @@ def mis_seq_verl_loss(
     return _over_kept(loss, kept_share), metrics | {"kept_share": kept_share}
 
 
+def geo_mask_loss(
+    logp: Tensor,
+    mu_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    lower: float = 0.99,
+    upper: float = 1.01,
+    clip_eps: float = 0.2,
+    kept_share: float | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """PPO's clip on the sequences whose geometric-mean ratio is near 1; the others masked whole.
+
+    loss = -sum_{t in kept i} min(r_t A_t, clip(r_t, 1 - eps, 1 + eps) A_t) / (kept valid tokens)
+    kept i: lower <= G_i <= upper,   G_i = exp(mean_{t in i} log r_t), the geometric mean of r
+
+    SkyRL's geometric sequence mask (``compute_sequence_mask``, sequence_mask_metric="geometric"),
+    which its off-policy-correction guide recommends for train/inference mismatch with
+    geo_mask_low = 0.99 and geo_mask_high = 1.01, on top of its default PPO loss; like verl's
+    rollout_rs="geometric". Unlike the product W_i of ``mis_seq``, G_i does not grow with the
+    length, so one bound suits short and long answers. The masked sequences leave the loss mask,
+    so SkyRL's token-mean runs over the kept tokens (``kept_share`` as in
+    ``mis_seq_verl_loss``, gathered over ranks the same way from
+    ``token_sequence_mean_log_ratios``). On kept sequences d loss / d log pi_t = -r_t A_t / n_kept
+    where the clip is inactive, 0 where it is active or the sequence is masked.
+
+    Where we differ: SkyRL measures G between the trainer's recomputed old policy and the
+    sampler, and clips pi against that old policy; with no recomputed old policy here, both
+    use mu, so the mask also rejects staleness, not only mismatch. Masked sequences' log-ratios
+    are zeroed before exp(), so a ratio too large for exp() cannot make a nan gradient.
+
+    Args:
+        logp, mu_logp, advantages, mask: [B, T], see the module docstring.
+        lower: smallest accepted geometric-mean ratio, in (0, 1] (SkyRL's 0.99).
+        upper: largest accepted geometric-mean ratio, >= 1 (SkyRL's 1.01).
+        clip_eps: PPO's clip half-width, > 0.
+        kept_share: the batch's share of valid tokens in accepted sequences, in [0, 1]; None
+            computes it from this batch.
+
+    Returns:
+        The scalar loss and metrics plus ``kept_share``; ``clip_frac`` is the fraction of valid
+        tokens masked or clipped.
+    """
+    if not 0 < lower <= 1 <= upper:
+        raise ValueError(f"need 0 < lower <= 1 <= upper, got lower={lower}, upper={upper}")
+    if clip_eps <= 0:
+        raise ValueError(f"clip_eps must be > 0, got clip_eps={clip_eps}")
+    mask, log_ratio, advantages = _prepare(logp, mu_logp, advantages, mask)
+    kept = mask & _within(_sequence_mean_log_ratio(log_ratio, mask), lower, upper)[:, None]
+    terms, clipped = _ppo_clip_terms(torch.where(kept, log_ratio, 0.0), advantages, clip_eps)
+    loss = -masked_mean(torch.where(kept, terms, 0.0), mask)
+    if kept_share is None:
+        kept_share = kept_token_share(
+            token_sequence_mean_log_ratios(logp, mu_logp, mask), lower, upper
+        )
+    dropped = ~kept | clipped
+    metrics = _metrics(log_ratio, dropped, mask, advantages, dropped=dropped)
+    return _over_kept(loss, kept_share), metrics | {"kept_share": kept_share}
+
+
 def token_sequence_log_weights(logp: Tensor, mu_logp: Tensor, mask: Tensor) -> Tensor:
     """log W_i of each valid token's sequence, W_i = prod_{t in i} pi_t / mu_t: [B, T] in, [n]
     out (row-major over the valid tokens). What a rank contributes to ``kept_token_share`` of
@@ -397,6 +459,15 @@ def token_sequence_log_weights(logp: Tensor, mu_logp: Tensor, mask: Tensor) -> T
     _check_shapes(logp=logp, mu_logp=mu_logp, mask=mask)
     mask = mask.bool()
     seq = _sequence_log_weight(_log_ratio(logp, mu_logp, mask), mask)
+    return seq[:, None].expand_as(mask)[mask]
+
+
+def token_sequence_mean_log_ratios(logp: Tensor, mu_logp: Tensor, mask: Tensor) -> Tensor:
+    """log G_i of each valid token's sequence, G_i the geometric mean of its ratios pi / mu:
+    [B, T] in, [n] out. What a rank contributes to ``kept_token_share`` of ``geo_mask``."""
+    _check_shapes(logp=logp, mu_logp=mu_logp, mask=mask)
+    mask = mask.bool()
+    seq = _sequence_mean_log_ratio(_log_ratio(logp, mu_logp, mask), mask)
     return seq[:, None].expand_as(mask)[mask]
 
 
@@ -682,6 +753,7 @@ LOSSES: dict[str, LossFn] = {
     "tis_seq": tis_seq_loss,
     "mis_seq": mis_seq_loss,
     "mis_seq_verl": mis_seq_verl_loss,
+    "geo_mask": geo_mask_loss,
     "m2po": m2po_loss,
     "m2po_release": m2po_release_loss,
     "ess_aipo": ess_aipo_loss,
@@ -698,6 +770,7 @@ LOSS_OPTIONS: dict[str, dict[str, str]] = {
     "tis_seq": {"cap": "seq_is_cap"},
     "mis_seq": {"lower": "seq_mis_lower", "upper": "seq_mis_upper"},
     "mis_seq_verl": {"lower": "seq_mis_lower", "upper": "seq_mis_upper"},
+    "geo_mask": {"lower": "geo_mask_low", "upper": "geo_mask_high", "clip_eps": "ppo_clip_eps"},
     "m2po": {"tau": "m2po_tau"},
     "m2po_release": {"budget": "m2po_release_budget"},
     "ess_aipo": {"rho": "aipo_rho"},
@@ -726,6 +799,11 @@ BATCH_STATISTICS: dict[str, tuple[str, Callable[..., Tensor], Callable[..., floa
     "mis_seq_verl": (
         "kept_share",
         token_sequence_log_weights,
+        lambda values, kw: kept_token_share(values, kw["lower"], kw["upper"]),
+    ),
+    "geo_mask": (
+        "kept_share",
+        token_sequence_mean_log_ratios,
         lambda values, kw: kept_token_share(values, kw["lower"], kw["upper"]),
     ),
 }
@@ -776,6 +854,13 @@ def _ppo_clip_terms(
     unclipped = ratio * advantages
     clipped = ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantages
     return torch.minimum(unclipped, clipped), clipped < unclipped
+
+
+def _sequence_mean_log_ratio(log_ratio: Tensor, mask: Tensor) -> Tensor:
+    """[B] mean of each row's valid log-ratios (0 for a row with none), detached, in at least
+    float32: the log of the row's geometric-mean ratio."""
+    count = mask.sum(dim=-1).clamp(min=1)
+    return _sequence_log_weight(log_ratio, mask) / count
 
 
 def _within(log_values: Tensor, lower: float, upper: float) -> Tensor:
