@@ -22,6 +22,7 @@ from relayrl.algorithms.losses import (
     mis_seq_verl_loss,
     token_sequence_log_weights,
     token_sequence_mean_log_ratios,
+    vcpo_baseline_advantages,
 )
 from relayrl.config import load_config
 
@@ -364,3 +365,45 @@ def test_m2po_release_on_two_ranks_equals_one_process_given_the_same_micro_batch
     # the statistic is the micro-batch's: one call over the whole batch clips differently
     whole_loss, _ = one_process("m2po_release", micro_batches=1)
     assert abs(whole_loss - loss) > 1e-3
+
+
+def test_vcpo_baseline_weights_rewards_by_squared_weight_times_gradient_norm_by_hand():
+    # group 0: R = [1, 0, 0], w = [2, 1, 1], s = [1, 1, 2]: w^2 s = [4, 1, 2], b = 4 / 7
+    # group 1: R = [1, 1, 0], equal w and s: b = the mean 2/3 (GRPO's / Dr. GRPO's baseline)
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 0.0])
+    weights = torch.tensor([2.0, 1.0, 1.0, 3.0, 3.0, 3.0])
+    grad_sq_norms = torch.tensor([1.0, 1.0, 2.0, 5.0, 5.0, 5.0])
+    advantages = vcpo_baseline_advantages(rewards, weights, grad_sq_norms, group_size=3)
+    close(advantages, [3 / 7, -4 / 7, -4 / 7, 1 / 3, 1 / 3, -2 / 3])
+
+
+def test_vcpo_baseline_is_affine_equivariant_and_falls_back_to_the_mean():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    weights = torch.tensor([2.0, 1.0, 0.5, 1.5])
+    lengths = torch.tensor([3.0, 1.0, 4.0, 2.0])
+    base = vcpo_baseline_advantages(rewards, weights, lengths, group_size=4)
+    # GRPO-normalised rewards in, the baseline's advantages divided by the std out
+    scaled = vcpo_baseline_advantages(rewards * 2.5 - 1.0, weights, lengths, group_size=4)
+    close(scaled, (base * 2.5).tolist())
+    # every w^2 s zero: the group's mean
+    zero = vcpo_baseline_advantages(rewards, torch.zeros(4), lengths, group_size=4)
+    close(zero, [0.5, -0.5, -0.5, 0.5])
+    with pytest.raises(ValueError, match="group_size must be >= 1 and divide the 4 rewards"):
+        vcpo_baseline_advantages(rewards, weights, lengths, group_size=3)
+
+
+def test_vcpo_baseline_has_the_least_variance_of_any_constant_baseline():
+    # The estimator's squared norm sum_i (w_i (R_i - b))^2 s_i (orthogonal score vectors) is
+    # smallest at b*: any other b gives more.
+    generator = torch.Generator().manual_seed(0)
+    rewards = (torch.rand(8, generator=generator) > 0.5).double()
+    weights = torch.rand(8, generator=generator, dtype=torch.float64) * 3
+    norms = torch.rand(8, generator=generator, dtype=torch.float64) * 10
+    advantages = vcpo_baseline_advantages(rewards, weights, norms, group_size=8)
+    b_star = float(rewards[0] - advantages[0])
+
+    def spread(b: float) -> float:
+        return float(((weights * (rewards - b)) ** 2 * norms).sum())
+
+    assert all(spread(b_star) < spread(b_star + d) for d in (-0.1, -0.01, 0.01, 0.1))
+    assert spread(b_star) < spread(float(rewards.mean()))

@@ -744,6 +744,57 @@ def normalized_ess(log_weights: Tensor) -> float:
     return float(_ess(log_weights, torch.ones_like(log_weights, dtype=torch.bool)))
 
 
+def vcpo_baseline_advantages(
+    rewards: Tensor, weights: Tensor, grad_sq_norms: Tensor, group_size: int
+) -> Tensor:
+    """VCPO's off-policy optimal baseline: each group's rewards minus the baseline that minimises
+    the variance of the importance-weighted policy gradient.
+
+    A_i = R_i - b_g,   b_g = sum_{i in g} w_i^2 s_i R_i / sum_{i in g} w_i^2 s_i
+
+    From VCPO (Huang et al. 2026, "Stable Asynchrony", arXiv:2602.17616; its OPOB): the estimator
+    sum_i w_i (R_i - b) grad log pi(y_i) has the least variance at this b when the sequences'
+    score vectors are orthogonal with squared norms s_i = ||grad log pi(y_i)||^2 (the on-policy
+    form, w = 1, is OPO's, Hao et al. 2025, arXiv:2505.23585). VCPO measures s_i from each
+    sequence's gradient; OPO's cheap proxy is the sequence length. With w and s equal within a
+    group, b_g is the group's mean reward (Dr. GRPO's baseline). A group whose w^2 s are all 0
+    falls back to its mean.
+
+    The baseline is affine-equivariant (b(aR + c) = a b(R) + c), so passing GRPO's normalised
+    advantages (R - mean) / std as ``rewards`` gives (R - b_g) / std: the baseline swapped into
+    GRPO's advantage. Groups are whole on every rank (the trainer shards by groups), so the
+    baseline needs no gather.
+
+    Where we differ: VCPO computes per-sequence gradient norms inside its Megatron actor; here
+    ``grad_sq_norms`` is an input. VCPO's recipe is this baseline with sequence TIS at cap 8
+    (``trainer.loss=tis_seq``, ``trainer.seq_is_cap=8``) and the ESS-scaled learning rate
+    (``trainer.ess_lr``); the trainer has no hook for a baseline that needs the log-ratios yet,
+    so the recipe runs today without it.
+
+    Args:
+        rewards: [B] one reward (or advantage) per sequence, groups of ``group_size`` in a row.
+        weights: [B] the importance weight the estimator applies to each sequence, e.g.
+            min(W_i, C) of ``tis_seq_loss`` (exp of ``sequence_log_weights``, truncated).
+        grad_sq_norms: [B] ||grad log pi(y_i)||^2 or a proxy of it (the length), >= 0.
+        group_size: sequences per group, >= 1; B must be a multiple of it.
+
+    Returns:
+        [B] the advantages R_i - b_g, in the dtype of ``rewards``.
+    """
+    if group_size < 1 or rewards.numel() % group_size:
+        raise ValueError(
+            f"group_size must be >= 1 and divide the {rewards.numel()} rewards, got {group_size}"
+        )
+    _check_shapes(rewards=rewards, weights=weights, grad_sq_norms=grad_sq_norms)
+    wide = torch.promote_types(rewards.dtype, torch.float32)
+    r = rewards.detach().to(wide).reshape(-1, group_size)
+    c = (weights.detach().to(wide) ** 2 * grad_sq_norms.detach().to(wide)).reshape(-1, group_size)
+    total = c.sum(dim=1, keepdim=True)
+    optimal = (c * r).sum(dim=1, keepdim=True) / total.clamp(min=torch.finfo(wide).tiny)
+    baseline = torch.where(total > 0, optimal, r.mean(dim=1, keepdim=True))
+    return (r - baseline).reshape(rewards.shape).to(rewards.dtype)
+
+
 LOSSES: dict[str, LossFn] = {
     "pg": pg_loss,
     "aipo": aipo_loss,
