@@ -188,6 +188,60 @@ def test_losses_with_a_batch_statistic_take_it_over_every_rank(
     assert_same_weights(tmp_path / "two", tmp_path / "one", "model.safetensors")
 
 
+def test_two_ranks_take_minibatches_around_the_proximal_policy_as_one_trainer(
+    ray_session, tmp_path
+):
+    cfg = tiny_config(
+        "trainer.loss=ppo_clip",
+        "trainer.proximal=current",
+        "trainer.minibatches=2",
+        "trainer.lr=0.01",
+        "generator.prompts_per_step=5",
+    )
+    one = Trainer(cfg)
+    # 5 groups: minibatch 0 holds groups 0-2 (rank 0 two, rank 1 one), minibatch 1 groups 3-4
+    batches = [rollouts([step] * 5, seed=20 + step) for step in range(2)]
+    with trainer_group(Trainer, cfg) as ranks:
+        for batch in batches:
+            reference = one.train_step(batch)
+            # the second minibatch trains away from the proximal policy: its clip can act
+            assert reference.stepped and "loss/behaviour_weight" in reference.metrics
+            assert_merged_books(on_all(ranks, "train_step", ray.put(batch)), reference)
+        on_all(ranks, "save_pretrained", str(tmp_path / "two"))
+    one.save_pretrained(str(tmp_path / "one"))
+    assert_same_weights(tmp_path / "two", tmp_path / "one", "model.safetensors")
+
+
+def test_a_loss_that_keeps_no_token_skips_the_step_only_when_it_does_so_on_every_rank(
+    ray_session,
+):
+    cfg = tiny_config("trainer.loss=aipo", "trainer.lr=0.01", "trainer.weight_decay=0.1")
+
+    def keep_nothing(trainer: Trainer) -> None:
+        """This rank's loss has a zero gradient on every token from now on (its metrics stay)."""
+        good_loss = trainer.loss_fn
+
+        def zero(*args: Any, **kwargs: Any) -> Any:
+            loss, stats = good_loss(*args, **kwargs)
+            return loss * 0.0, stats
+
+        trainer.loss_fn = zero
+
+    with trainer_group(Trainer, cfg) as ranks:
+        # Rank 1 alone keeps nothing: the group still has tokens to learn from and steps; a rank
+        # that skipped on its own count would leave the other waiting in the gradient reduction.
+        ray.get(ranks[1].__ray_call__.remote(keep_nothing), timeout=TIMEOUT_S)
+        results = on_all(ranks, "train_step", ray.put(rollouts([0] * 5, seed=30)))
+        assert [(r.stepped, r.version) for r in results] == [(True, 1)] * 2
+        assert [s.skipped_masked for s in on_all(ranks, "stats")] == [0, 0]
+        # Now every rank keeps nothing: every rank skips the step and counts it.
+        ray.get(ranks[0].__ray_call__.remote(keep_nothing), timeout=TIMEOUT_S)
+        results = on_all(ranks, "train_step", ray.put(rollouts([1] * 5, seed=31)))
+        assert [(r.stepped, r.version) for r in results] == [(False, 1)] * 2
+        assert all(r.metrics["loss/skipped_masked"] == 1.0 for r in results)
+        assert [s.skipped_masked for s in on_all(ranks, "stats")] == [1, 1]
+
+
 def test_a_rank_with_only_stale_groups_joins_every_collective(ray_session, tmp_path):
     cfg = tiny_config("trainer.loss=aipo", "max_staleness=1", "trainer.lr=0.01")
     one = Trainer(cfg)
