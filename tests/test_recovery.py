@@ -192,7 +192,7 @@ REPORTS: list = []  # by Reloaded: (what its replica says of it, its env steps) 
 def _reports(w: EmbodiedWorkload) -> list:
     return [
         (w.service_of(i).reported.remote(worker_id), worker.stats.remote())
-        for i, (worker, worker_id) in enumerate(zip(w.workers, w.worker_ids, strict=True))
+        for i, (worker, worker_id) in enumerate(zip(w.workers, w.retired.ids, strict=True))
     ]
 
 

@@ -36,12 +36,13 @@ from relayrl.launch import form_trainer_group, publish_weights
 from relayrl.models.vla import VLAPolicy, vla_config
 from relayrl.observability.books import Books
 from relayrl.observability.metrics import MetricsLog, RunTally, say
-from relayrl.recovery import DEATHS, Recovery, alive
+from relayrl.recovery import Recovery, alive
 from relayrl.roles import Group, Placed, Role, ray_resources
 from relayrl.types import LoopEnd
 from relayrl.workloads import embodied_eval
 from relayrl.workloads.embodied_summary import EmbodiedStats, books, summary_sections
 from relayrl.workloads.embodied_world_model import EmbodiedWorldModel
+from relayrl.workloads.retired_workers import RetiredWorkers
 from relayrl.workloads.saved_models import check_saved_vla
 from relayrl.workloads.task_choice import TaskChoice
 
@@ -61,11 +62,7 @@ class EmbodiedWorkload:
         self.make_env = make_env or functools.partial(build_env, cfg.env)
         self.env_given = make_env is not None  # the evaluators play it too
         self.placed = Placed()  # the role table once placed
-        # Books of rollout workers that died: worker id -> (env steps, steps dropped by env
-        # errors) as of the last segment each closed; what they did after it died with them.
-        self.retired: dict[int, tuple[int, int]] = {}
-        self.seen: dict[int, tuple[int, int]] = {}  # the same, of segments collected in lockstep
-        self.worker_ids: list[int] = []
+        self.retired = RetiredWorkers(cfg.rollout.workers)  # dead workers' books, workers' ids
         self.recovery: Recovery | None = None  # set once weight sync is connected
         self.run_dir = None  # set by relayrl.job.train
         self.wm: EmbodiedWorldModel | None = None  # with imagination, once placed
@@ -100,7 +97,6 @@ class EmbodiedWorkload:
         self.vla = vla
         if cfg.imagination is not None:
             self.wm = EmbodiedWorldModel(cfg, views=views, dims=space.dims, vocab=space.vocab)
-        self.worker_ids = list(range(cfg.rollout.workers))
         self.choice = TaskChoice(cfg, tasks)
         self.placed = Placed.place(cfg.placement, self.table())
         form_trainer_group(self.trainer)
@@ -231,31 +227,13 @@ class EmbodiedWorkload:
 
     def _renew_worker(self, worker: Any, index: int, incarnation: int) -> None:
         """A replaced rollout worker goes on under its new id, drawing tasks as the others do."""
-        self.worker_ids[index] = index + incarnation * self.cfg.rollout.workers
+        self.retired.renew(index, incarnation)
         ray.get(self.choice.push([worker]))
 
     async def retire(self, index: int) -> int | None:
-        """Keep the books of dead rollout worker ``index`` as of the last segment it closed (from
-        the replay buffer's record, or the segments collected in lockstep); returns the env steps
-        it took after that segment, which no books count (its open segment's, and those of a
-        segment an env error ended since).
-
-        As its last request to its inference replica said; None (unknown) if that replica died
-        since. A step in flight at the death is not known. In lockstep a round ends, and a
-        checkpoint falls, with every segment closed: a worker killed between two rounds took
-        none.
-        """
-        worker_id = self.worker_ids[index]
-        found = (await self.replay_buffer.stats.remote()).workers.get(worker_id, (0, 0))
-        books = max(tuple(found), self.seen.get(worker_id, (0, 0)))
-        self.retired[worker_id] = books
-        try:
-            taken = await self.service_of(index).reported.remote(worker_id)
-        except DEATHS:
-            taken = None
-        # Below books[0] when its last step closed a segment that reached the buffer after its
-        # last request: nothing was left open.
-        return None if taken is None else max(taken - books[0], 0)
+        """Keep dead rollout worker ``index``'s books (``RetiredWorkers.retire``); returns the
+        env steps it took that no books count."""
+        return await self.retired.retire(index, self.replay_buffer, self.service_of(index))
 
     async def revive(self, recovery: Recovery, err: BaseException) -> None:
         """After a lockstep round failed with ``err``: replace the inference replicas and rollout
@@ -271,8 +249,7 @@ class EmbodiedWorkload:
 
     def note(self, collected: Sequence[Collected]) -> None:
         """Remember the workers' books as of the last segment each collected in lockstep."""
-        for c in collected:
-            self.seen[c.worker] = (c.worker_env_steps, c.worker_dropped_error)
+        self.retired.note(collected)
 
     def service_of(self, worker: int) -> Any:
         """The inference replica that answers rollout worker ``worker``."""
@@ -300,11 +277,7 @@ class EmbodiedWorkload:
         books. It changes nothing: ``settle`` and ``realign`` go around it."""
         parts = await self.placed.snapshot()
         parts["task_choice"] = self.choice.state_dict()
-        parts["retired_workers"] = {
-            "retired": dict(self.retired),
-            "seen": dict(self.seen),
-            "worker_ids": list(self.worker_ids),
-        }
+        parts["retired_workers"] = self.retired.state_dict()
         return parts
 
     async def settle(self) -> None:
@@ -325,14 +298,12 @@ class EmbodiedWorkload:
         """Load what ``snapshot`` saved."""
         self.placed.restore(parts)
         self.choice.load_state_dict(parts["task_choice"])
-        self.retired = dict(parts["retired_workers"]["retired"])
-        self.seen = dict(parts["retired_workers"]["seen"])
         # A worker goes on under the id its books were kept by (a replacement's is not i).
-        self.worker_ids = list(parts["retired_workers"]["worker_ids"])
+        self.retired.load_state_dict(parts["retired_workers"])
         ray.get(
             [
                 w.__ray_call__.remote(set_worker_id, worker_id)
-                for w, worker_id in zip(self.workers, self.worker_ids, strict=True)
+                for w, worker_id in zip(self.workers, self.retired.ids, strict=True)
             ]
         )
         ray.get(self._report_loaded(parts))
@@ -346,7 +317,7 @@ class EmbodiedWorkload:
         return [
             self.service_of(i).report.remote(worker_id, parts[name]["counts"]["env_steps"])
             for i, (name, worker_id) in enumerate(
-                zip(self.workers.names, self.worker_ids, strict=True)
+                zip(self.workers.names, self.retired.ids, strict=True)
             )
         ]
 
@@ -412,7 +383,9 @@ class EmbodiedWorkload:
         """Evaluate again; the eval, dwr and curriculum sections, and the rollout, perf,
         staleness, replay and books sections (``embodied_summary.summary_sections``)."""
         end = asyncio.run(self.evaluate())
-        return summary_sections(self.cfg, tally, self._stats(), self.retired, loop, rl_wall) | {
+        return summary_sections(
+            self.cfg, tally, self._stats(), self.retired.books, loop, rl_wall
+        ) | {
             "eval": {"end": end},
             **self.choice.summary(),
         }
@@ -421,7 +394,7 @@ class EmbodiedWorkload:
         """The books of a run that stopped early, asked of the executors (the env steps are
         counted where they are played); raises if an executor does not answer."""
         found = self._stats(timeout=self.cfg.sync.timeout_s, whole=False)
-        return books(tally, found, self.retired, found.unreceived(tally))
+        return books(tally, found, self.retired.books, found.unreceived(tally))
 
     def _stats(self, timeout: float | None = None, *, whole: bool = True) -> EmbodiedStats:
         """The executors' stats now: those the books need, and unless ``whole`` is false the
