@@ -1,5 +1,6 @@
-"""Rollout worker: segmentation of episodes, crash containment with step accounting, the async run
-loop, and a run end to end through the inference service into the replay buffer."""
+"""Rollout worker: segmentation of episodes, crash containment with step accounting (through
+``collect``, the lockstep call), the async run loop, and a run end to end through the inference
+service into the replay buffer."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 from relayrl.envs.embodied import ActionSpace, Observation, StepResult
 from relayrl.executors.inference_service import ActReply, InferenceService
 from relayrl.executors.replay_buffer import ReplayBuffer
-from relayrl.executors.rollout_worker import EpisodeResult, RolloutWorker, Stepped
+from relayrl.executors.rollout_worker import Collected, EpisodeResult, RolloutWorker
 from relayrl.types import TaskCounts
 
 
@@ -76,14 +77,21 @@ class Factory:
         return self.built[-1]
 
 
-def drive(worker: RolloutWorker, steps: int, version: int = 0) -> list:
-    """Lockstep: the action is the step index mod 4, mu = -step / 100, value = step."""
-    out = []
-    for _ in range(steps):
-        obs = worker.observe()
-        tokens, logprobs = np.array([obs.step % 4]), np.array([-obs.step / 100])
-        out += worker.step(tokens, logprobs, obs.step, version).segments
-    return out
+class StepPolicy:
+    """A service that answers action = the episode step mod 4, mu = -step / 100, value = step."""
+
+    def __init__(self, version: int = 0):
+        self.version = version
+
+    def __call__(self, obs: Observation, *asked: int) -> ActReply:
+        logprobs = np.array([-obs.step / 100], np.float32)
+        return ActReply(np.array([obs.step % 4]), logprobs, float(obs.step), self.version)
+
+
+def drive(worker: RolloutWorker, segments: int, version: int = 0) -> list:
+    """Lockstep: ``collect`` ``segments`` segments, answered by ``StepPolicy``."""
+    _, closed = worker.collect(StepPolicy(version), segments)
+    return closed
 
 
 def pixels(seg) -> list[int]:
@@ -92,7 +100,7 @@ def pixels(seg) -> list[int]:
 
 def test_an_episode_of_7_steps_with_l_3_is_cut_into_3_3_1():
     worker = RolloutWorker(2, Factory(), segment_len=3, seed=0)
-    segs = drive(worker, 7, version=5)
+    segs = drive(worker, 3, version=5)
     assert [len(s) for s in segs] == [3, 3, 1]
     assert [(s.terminated, s.episode_done, s.success) for s in segs] == [
         (False, False, False),
@@ -109,15 +117,16 @@ def test_an_episode_of_7_steps_with_l_3_is_cut_into_3_3_1():
     assert {(s.worker, s.episode, s.task, s.instruction) for s in segs} == {(2, 0, "a", "do a")}
     assert worker.episode_results() == [EpisodeResult(2, 0, "a", True, 9.0, 7)]
     assert worker.episode_results() == []  # drained
-    assert worker.observe().step == 0  # the next call starts episode 1
     stats = worker.stats()
     assert (stats.env_steps, stats.segments, stats.segment_steps) == (7, 3, 7)
     assert stats.tasks == {"a": TaskCounts(episodes=1, successes=1)}
+    (after,) = drive(worker, 1)  # the next call starts episode 1
+    assert (after.episode, after.steps[0]) == (1, 0)
 
 
 def test_a_truncated_episode_ends_its_last_segment_without_terminated():
     worker = RolloutWorker(0, Factory({"length": 3, "truncate": True}), segment_len=3, seed=0)
-    (seg,) = drive(worker, 3)
+    (seg,) = drive(worker, 1)
     assert (seg.terminated, seg.episode_done, seg.success) == (False, True, True)
 
 
@@ -125,21 +134,19 @@ def test_env_crashes_are_contained_counted_and_the_env_rebuilt():
     # The first env raises at its 5th step; its replacement fails its first reset.
     factory = Factory({"fail_step": [5]}, {"fail_reset": [1]}, {})
     worker = RolloutWorker(0, factory, segment_len=3, seed=0)
-    segs = drive(worker, 4)  # steps 1-3 make a segment, step 4 opens one
-    assert [len(s) for s in segs] == [3]
-    worker.observe()
-    crashed = worker.step(np.array([0]), np.array([0.0]), 0.0, 0)  # step 5 crashes: no env step
-    assert crashed == Stepped([], worker=0, env_steps=4)
-    stats = worker.stats()
-    assert (stats.env_steps, stats.env_errors, stats.dropped_error_steps) == (4, 1, 1)
-    assert stats.last_errors == ["step: RuntimeError: sim crashed at call 5"]
-    assert factory.built[0].closed and len(factory.built) == 2
-    segs = drive(worker, 7)  # the reset crash costs a rebuild, then a whole episode runs
+    assert [len(s) for s in drive(worker, 1)] == [3]  # steps 1-3
+    # Step 4 opens a segment and step 5 crashes: its step is dropped and the env rebuilt; the
+    # rebuilt env's reset crashes, so a third env plays a whole episode.
+    collected, segs = worker.collect(StepPolicy(), segments=3)
     assert [len(s) for s in segs] == [3, 3, 1] and segs[0].steps[0] == 0
+    assert collected == Collected(0, steps=7, worker_env_steps=11, worker_dropped_error=1)
     stats = worker.stats()
-    assert len(factory.built) == 3 and stats.env_errors == 2
-    assert stats.last_errors[-1] == "reset: RuntimeError: reset crashed"
-    assert stats.env_steps == 11
+    assert (stats.env_steps, stats.env_errors, stats.dropped_error_steps) == (11, 2, 1)
+    assert stats.last_errors == [
+        "step: RuntimeError: sim crashed at call 5",
+        "reset: RuntimeError: reset crashed",
+    ]
+    assert len(factory.built) == 3 and factory.built[0].closed
     assert stats.env_steps == stats.segment_steps + stats.dropped_error_steps
     assert stats.episodes == 1  # a crashed episode has no result
 
@@ -148,7 +155,7 @@ def test_step_accounting_holds_with_crashes_at_random_steps():
     rng = np.random.default_rng(0)
     fails = [{"fail_step": [int(rng.integers(1, 15))]} for _ in range(20)]
     worker = RolloutWorker(0, Factory(*fails), segment_len=4, seed=0)
-    drive(worker, 120)
+    drive(worker, 30)
     stats = worker.stats()
     assert stats.env_errors > 0 and stats.dropped_error_steps > 0
     emitted = stats.segment_steps + stats.dropped_error_steps + stats.open_steps
@@ -160,7 +167,7 @@ def test_a_broken_env_makes_the_worker_give_up():
         0, Factory({"fail_reset": [1]}), segment_len=3, seed=0, max_consecutive_errors=3
     )
     with pytest.raises(RuntimeError, match="3 env errors in a row"):
-        worker.observe()
+        drive(worker, 1)
 
 
 def test_the_task_sampler_picks_the_task_at_each_reset():
@@ -168,7 +175,7 @@ def test_the_task_sampler_picks_the_task_at_each_reset():
     worker = RolloutWorker(
         0, Factory({"length": 2}), segment_len=5, seed=0, task_sampler=lambda: next(tasks)
     )
-    segs = drive(worker, 8)
+    segs = drive(worker, 4)
     assert [s.task for s in segs] == ["a", "b", "a", "b"]
     assert worker.stats().tasks == {
         "a": TaskCounts(episodes=2, successes=2),
@@ -258,13 +265,16 @@ def test_a_worker_steps_several_envs_with_one_request_and_keeps_one_set_of_books
 
 
 def test_state_dict_keeps_the_books_of_emitted_steps():
-    worker = RolloutWorker(0, Factory(), segment_len=3, seed=0)
-    drive(worker, 5)  # one segment of 3 emitted, 2 steps open
+    # Env 1's episodes are 2 steps: the second round closes its segment, and env 0 holds 2 open.
+    worker = RolloutWorker(0, Factory({}, {"length": 2}), segment_len=3, seed=0, envs=2)
+    assert worker.run(StepPolicy(), [].append, max_segments=1) == 1
+    assert (worker.stats().env_steps, worker.stats().open_steps) == (4, 2)
     restored = RolloutWorker(0, Factory(), segment_len=3, seed=1)
     restored.load_state_dict(worker.state_dict())
     stats = restored.stats()
-    assert (stats.env_steps, stats.segment_steps, stats.open_steps) == (3, 3, 0)
-    assert restored.observe().step == 0
+    assert (stats.env_steps, stats.segment_steps, stats.open_steps) == (2, 2, 0)
+    (seg,) = drive(restored, 1)  # a fresh episode, numbered after the two begun before
+    assert (seg.episode, seg.steps[0]) == (2, 0)
 
 
 class PixelPolicy(torch.nn.Module):
@@ -392,10 +402,10 @@ def test_every_env_call_runs_on_one_thread_whoever_calls_the_worker():
         0, lambda: envs.append(ThreadRecordingEnv()) or envs[-1], segment_len=3, seed=0
     )
     for _ in range(3):
-        thread = threading.Thread(target=drive, args=(worker, 4))
+        thread = threading.Thread(target=drive, args=(worker, 1))
         thread.start()
         thread.join()
-    drive(worker, 4)
+    drive(worker, 1)
     assert len(envs) == 1 and len(envs[0].threads) == 1
     assert threading.get_ident() not in envs[0].threads
 
@@ -409,5 +419,5 @@ def test_without_env_threads_the_envs_run_on_the_callers_thread():
         seed=0,
         env_threads=False,
     )
-    drive(worker, 4)
+    drive(worker, 1)
     assert len(envs) == 1 and envs[0].threads == {threading.get_ident()}

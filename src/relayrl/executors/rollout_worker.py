@@ -1,8 +1,7 @@
 """Rollout worker: steps its environments and cuts their episodes into trajectory segments.
 
 The worker never runs the policy: it asks a service for each action (``run``, async mode, until
-stopped; ``collect``, lockstep mode, one env, until it closes a segment) or is handed actions
-(``observe`` / ``step``, one env, for a caller that runs the policy itself). A segment ends
+stopped; ``collect``, lockstep mode, one env, until it closes a segment). A segment ends
 when the episode ends or after ``segment_len`` steps; a longer episode is emitted in pieces whose
 images overlap by one observation (the last image of a piece is the first of the next).
 
@@ -29,10 +28,10 @@ keeps each real episode's frames and actions, and hands the episodes a round fin
 imagination (for ``B_wm`` and the cache imagined episodes start from).
 
 The worker's books leave it with every request for an action (``run`` and ``collect``: its id
-and ``env_steps``) and every answer to a step (``Stepped.env_steps``), besides the segments it
-closes (``collect``'s ``Collected`` carries the last one's books): a controller
-then knows how many steps a worker that died took after the last segment it closed (all but a
-step in flight at the death, one per env, which only the dead process knew of).
+and ``env_steps``), besides the segments it closes (each carries the worker's books, and
+``collect``'s ``Collected`` the last one's): a controller then knows how many steps a worker
+that died took after the last segment it closed (all but a step in flight at the death, one per
+env, which only the dead process knew of).
 
 As a Ray actor, create it with ``max_concurrency=2`` so that ``stop``, ``stats`` and
 ``episode_results`` can be called while ``run`` loops.
@@ -77,15 +76,6 @@ class EpisodeResult:
     success: bool
     episode_return: float  # sum of rewards
     length: int  # env steps
-
-
-@dataclass
-class Stepped:
-    """What one ``step`` did."""
-
-    segments: list[Segment]  # the segments it closed (none or one)
-    worker: int  # the worker's id
-    env_steps: int  # the worker's books: env steps taken, this one included if the env took it
 
 
 ACT_SEED_STRIDE = 1_000_003  # the action seeds of two workers meet only a million steps apart
@@ -142,11 +132,10 @@ class _Slot:
 
 class RolloutWorker:
     """Envs stepped in the worker's own loop: ``run`` (all of them, until stopped) or ``collect``
-    (the first, until it closes a segment); or by a caller, step by step (``observe``/``step``).
+    (the first, until it closes a segment).
 
     ``worker_id`` tags the segments and results. ``make_env`` builds an environment (again after a
-    crash); ``envs`` is how many the worker steps (``collect``, ``observe`` and ``step`` use the
-    first only).
+    crash); ``envs`` is how many the worker steps (``collect`` uses the first only).
     ``segment_len`` is the most steps in one segment (L). ``seed`` seeds the stream of
     per-episode reset seeds; give each worker its own. ``task_sampler`` picks the task at each
     reset (None lets the env choose its first task); DWR plugs in here. After
@@ -218,24 +207,6 @@ class RolloutWorker:
         # Inline: a world-model env's step only sends a request, and returns its reply's future.
         self.slots = real + [_Slot(_EnvInline(lambda e=env: e), imagined=True) for env in envs]
 
-    def observe(self) -> Observation:
-        """The observation to act on, starting a new episode first if the last one ended."""
-        return self._observe(self.slots[0])
-
-    def step(
-        self, action_tokens: np.ndarray, logprobs: np.ndarray, value: float, version: int
-    ) -> Stepped:
-        """Apply the policy's answer to the current observation; returns the segments that closed
-        on this step (none or one) and the worker's env steps.
-
-        ``action_tokens`` int [D] and ``logprobs`` float [D] are the action tokens and their
-        behaviour log-probs, ``value`` the behaviour value estimate, ``version`` the policy version
-        that chose them. If the env raises, the error is contained and nothing is returned.
-        """
-        if self.slots[0].obs is None:
-            raise RuntimeError("step() needs an observation to act on: call observe() first")
-        return self._step_slots(self.slots[:1], [(action_tokens, logprobs, value, version)])
-
     def collect(
         self, service: Callable[[Observation, int, int, int], ActReply], segments: int = 1
     ) -> tuple[Collected, list[Segment]]:
@@ -258,7 +229,7 @@ class RolloutWorker:
                 r = service(obs, self.worker_id, env_steps, self._act_seed(env_steps))
                 self._wait_s += time.perf_counter() - start
                 answer = (r.actions, r.logprobs, r.value, r.version)
-                closed += self._step_slots(slots, [answer]).segments
+                closed += self._step_slots(slots, [answer])
         finally:
             if hasattr(service, "close"):
                 service.close()
@@ -290,7 +261,7 @@ class RolloutWorker:
         closed in one call, and one with ``wait_for_room(stop_event)`` is asked after each put
         (it returns when the buffer has room or the worker is stopped). Their errors are not
         contained: they propagate out of ``run``. An unfinished segment stays open and continues
-        at the next ``run`` or ``step``. A ``service`` with a ``close`` method is closed when
+        at the next ``run`` or ``collect``. A ``service`` with a ``close`` method is closed when
         ``run`` returns.
         """
         emitted = 0
@@ -306,7 +277,7 @@ class RolloutWorker:
                     replies = [service(obs, *asked) for obs in observations]
                 self._wait_s += time.perf_counter() - start
                 answers = [(r.actions, r.logprobs, r.value, r.version) for r in replies]
-                closed = self._step_slots(slots, answers).segments
+                closed = self._step_slots(slots, answers)
                 if self.imagination is not None:
                     if imagined := [s for s in closed if s.imagined]:
                         self.imagination.put(imagined)
@@ -433,9 +404,11 @@ class RolloutWorker:
         slot.obs, slot.open = obs, _OpenSegment.starting_at(obs)
         return True
 
-    def _step_slots(self, slots: list[_Slot], answers: list[tuple]) -> Stepped:
-        """Step each of ``slots`` with its answer (tokens, logprobs, value, version), the envs
-        at once, each on its own thread; errors are contained per env, as in ``step``."""
+    def _step_slots(self, slots: list[_Slot], answers: list[tuple]) -> list[Segment]:
+        """Step each of ``slots`` with its answer: action tokens int [D], their behaviour
+        log-probs float [D], the behaviour value and the policy version that chose them. The
+        envs step at once, each on its own thread; an env that raises is contained (its episode
+        ends, its open segment's steps are dropped, it is rebuilt). Returns the segments closed."""
         space = slots[0].env.action_space
         checked = []
         for action_tokens, logprobs, value, version in answers:
@@ -467,7 +440,7 @@ class RolloutWorker:
                 if slot.imagined:  # the world-model service failed, not an env of this worker
                     raise outcome
                 self._on_env_error(slot, outcome, "step")
-        return Stepped(closed, self.worker_id, self._counts["env_steps"])
+        return closed
 
     def _record(
         self,
