@@ -24,7 +24,7 @@ from relayrl.algorithms.losses import (
     token_sequence_mean_log_ratios,
     vcpo_baseline_advantages,
 )
-from relayrl.config import load_config
+from relayrl.config import ConfigError, load_config
 
 TOL = {"atol": 1e-5, "rtol": 0.0}
 NAN, INF = float("nan"), float("inf")
@@ -407,3 +407,36 @@ def test_vcpo_baseline_has_the_least_variance_of_any_constant_baseline():
 
     assert all(spread(b_star) < spread(b_star + d) for d in (-0.1, -0.01, 0.01, 0.1))
     assert spread(b_star) < spread(float(rewards.mean()))
+
+
+@pytest.mark.parametrize(
+    ("loss_fn", "kwargs", "message"),
+    [
+        (m2po_release_loss, {"budget": 0.0}, "budget must be > 0, got budget=0.0"),
+        (geo_mask_loss, {"lower": 1.5}, "need 0 < lower <= 1 <= upper, got lower=1.5"),
+        (geo_mask_loss, {"upper": 0.9}, r"got lower=0.99, upper=0.9"),
+        (geo_mask_loss, {"clip_eps": 0.0}, "clip_eps must be > 0, got clip_eps=0.0"),
+        (geo_mask_loss, {"kept_share": 1.5}, r"kept_share must be in \[0, 1\], got kept_share=1.5"),
+        (mis_seq_verl_loss, {"lower": 0.0}, "need 0 < lower <= 1 <= upper, got lower=0.0"),
+        (mis_seq_verl_loss, {"kept_share": -0.1}, r"kept_share must be in \[0, 1\]"),
+    ],
+)
+def test_out_of_range_options_are_rejected(loss_fn, kwargs, message):
+    batch = (torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2))
+    with pytest.raises(ValueError, match=message):
+        loss_fn(*batch, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("loss", "override"),
+    [
+        ("m2po_release", "trainer.m2po_release_budget=0"),
+        ("geo_mask", "trainer.geo_mask_low=1.5"),
+        ("geo_mask", "trainer.geo_mask_high=0.9"),
+    ],
+)
+def test_config_rejects_out_of_range_options_of_the_new_losses(loss, override):
+    field = override.split("=")[0]
+    with pytest.raises(ConfigError, match=f"^{field} = ") as refused:
+        load_config(None, [f"trainer.loss={loss}", override])
+    assert "an option of loss" not in str(refused.value)  # refused for its range, not presence
