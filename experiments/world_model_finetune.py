@@ -14,12 +14,12 @@ round). Every ``--every`` rounds it measures on the held-out rest of the episode
   (started from the last ``imagination.cache_episodes`` of them), beside the real success and
   failure rates of those episodes.
 
-It writes ``benchmarks/results/world_model_finetune[_TAG].json`` and ``.png`` (the measures
+It writes ``experiments/results/world_model_finetune[_TAG].json`` and ``.png`` (the measures
 against rounds), and a strip of imagined frames (4 held-out starts, 16 steps, before and after
 fine-tuning, under the real episodes) as ``..._frames.png``.
 
     python benchmarks/world_model.py --work WORK ...   # phases start and offline first
-    python benchmarks/world_model_finetune.py --work WORK env.image_size=28 vla.patch_size=4
+    python experiments/world_model_finetune.py --work WORK env.image_size=28 vla.patch_size=4
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from common import provenance, relative, save_result  # noqa: E402
 
 from relayrl.config import load_config  # noqa: E402
@@ -73,7 +73,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--every", type=int, default=5, help="rounds between measurements")
     parser.add_argument("--seed", type=int, default=0, help="seed of play and imagination")
     parser.add_argument("--tag", default="", help="suffix of the result files")
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
+    parser.add_argument("--out", type=Path, default=REPO / "experiments" / "results")
     parser.add_argument("overrides", nargs="*", help="a.b=value items, as world_model.py got")
     args = parser.parse_args(argv)
     if not 0 < args.train < args.episodes or min(args.rounds, args.every) < 1:

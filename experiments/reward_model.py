@@ -23,15 +23,15 @@ trained for minutes on two cores, ranks right 2-digit sums above the policy's mi
 3-digit ones, and RL on a reward model that cannot rank is reward hacking (docs/benchmarks.md).
 The full command (about 20 minutes on the 2-core reference machine)::
 
-    python benchmarks/reward_model.py
+    python experiments/reward_model.py
 
 A smoke run (a minute or two)::
 
-    python benchmarks/reward_model.py --steps 10 --eval-every 5 --rm-steps 50
+    python experiments/reward_model.py --steps 10 --eval-every 5 --rm-steps 50
 
 Other options: ``--rm-steps``, ``--rm-lr``, ``--rm-policy-prompts``, ``--kl-coef``, ``--out``,
 and ``a.b=value`` overrides of the shared config. It writes
-``benchmarks/results/reward_model.json`` and ``.png`` (held-out accuracy against RL step for both
+``experiments/results/reward_model.json`` and ``.png`` (held-out accuracy against RL step for both
 runs, and the classifier's training loss) with the command line and the machine, and prints a
 Markdown table. Checkpoints and run directories are temporary.
 """
@@ -50,7 +50,10 @@ import matplotlib
 import matplotlib.pyplot as plt
 import ray
 import torch
-from common import (
+from transformers import AutoConfig, LlamaForSequenceClassification
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from common import (  # noqa: E402
     from_start,
     provenance,
     relative,
@@ -58,7 +61,6 @@ from common import (
     train_from,
     warm_start,
 )
-from transformers import AutoConfig, LlamaForSequenceClassification
 
 from relayrl.config import Config, load_config
 from relayrl.envs.arithmetic import AdditionTask
@@ -150,7 +152,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "policy near where its reward model is right (0.02)",
     )
     parser.add_argument(
-        "--out", type=Path, default=REPO / "benchmarks" / "results", help="benchmarks/results"
+        "--out", type=Path, default=REPO / "experiments" / "results", help="experiments/results"
     )
     parser.add_argument("overrides", nargs="*", help="a.b=value overrides for every run")
     args = parser.parse_args(argv)

@@ -8,14 +8,14 @@ exact answer) every ``--eval-every`` steps and at the end; the critic's explaine
 
 The full command (about 15 minutes on the 2-core reference machine)::
 
-    python benchmarks/ppo_vs_grpo.py
+    python experiments/ppo_vs_grpo.py
 
 A smoke run (a minute or two)::
 
-    python benchmarks/ppo_vs_grpo.py --steps 10 --eval-every 5
+    python experiments/ppo_vs_grpo.py --steps 10 --eval-every 5
 
 Other options: ``--out``, and ``a.b=value`` overrides of the shared config (``critic.lr=...``).
-It writes ``benchmarks/results/ppo_vs_grpo.json`` and ``.png`` (held-out accuracy against RL step)
+It writes ``experiments/results/ppo_vs_grpo.json`` and ``.png`` (held-out accuracy against RL step)
 with the command line and the machine, and prints a Markdown table. Checkpoints and run
 directories are temporary.
 """
@@ -32,7 +32,9 @@ from pathlib import Path
 import matplotlib
 import matplotlib.pyplot as plt
 import ray
-from common import (
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from common import (  # noqa: E402
     from_start,
     provenance,
     relative,
@@ -103,7 +105,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=600, help="RL steps per run (600)")
     parser.add_argument("--eval-every", type=int, default=50, help="held-out period (50)")
     parser.add_argument(
-        "--out", type=Path, default=REPO / "benchmarks" / "results", help="benchmarks/results"
+        "--out", type=Path, default=REPO / "experiments" / "results", help="experiments/results"
     )
     parser.add_argument("overrides", nargs="*", help="a.b=value overrides for both runs")
     args = parser.parse_args(argv)

@@ -24,10 +24,10 @@ the IQM and mean of the normalised scores over every (env, seed) run, with 95% p
 from a stratified bootstrap (seeds resampled within each env, ``--bootstrap`` resamples), as
 rliable computes them (Agarwal et al. 2021, arXiv:2108.13264).
 
-    python benchmarks/acce_g4.py --steps 20000 --envs-list Hopper-v5 --methods ppo --seeds 0
-    python benchmarks/acce_g4.py --steps 100000 --seeds 0 1 2 --jobs 2
+    python experiments/acce_g4.py --steps 20000 --envs-list Hopper-v5 --methods ppo --seeds 0
+    python experiments/acce_g4.py --steps 100000 --seeds 0 1 2 --jobs 2
 
-It writes ``benchmarks/results/acce_g4.json`` and ``.png`` (learning curves per env and the IQM
+It writes ``experiments/results/acce_g4.json`` and ``.png`` (learning curves per env and the IQM
 per method, with the command line and machine) after every finished run, so a killed sweep keeps
 what finished, and prints a Markdown table for ``docs/benchmarks.md`` at the end.
 """
@@ -54,7 +54,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from common import git_state, machine, relative, save_result  # noqa: E402
 
 from relayrl.algorithms.advantages import gae  # noqa: E402

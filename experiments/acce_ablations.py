@@ -45,15 +45,15 @@ w < 0.5 (GIPO) tokens and the normalised ESS of the importance weights, per step
 
 Run from the repository root::
 
-    python benchmarks/acce_ablations.py g1                        # 150 steps per arm, seed 0
-    python benchmarks/acce_ablations.py g1 --steps 40 --seeds 0 1 # a quicker look, two seeds
-    python benchmarks/acce_ablations.py g1 env.eval_tasks=null --seeds 0   # overrides first
-    python benchmarks/acce_ablations.py g2 env.eval_tasks=null    # lags 1, 4, 8, seed 0
-    python benchmarks/acce_ablations.py g3                        # 6 swaps per arm, dist
-    python benchmarks/acce_ablations.py g3 --swaps 2 --period 1   # a quick look
-    python benchmarks/acce_ablations.py g3 --transport object_store vla.d_model=256
+    python experiments/acce_ablations.py g1                        # 150 steps per arm, seed 0
+    python experiments/acce_ablations.py g1 --steps 40 --seeds 0 1 # a quicker look, two seeds
+    python experiments/acce_ablations.py g1 env.eval_tasks=null --seeds 0   # overrides first
+    python experiments/acce_ablations.py g2 env.eval_tasks=null    # lags 1, 4, 8, seed 0
+    python experiments/acce_ablations.py g3                        # 6 swaps per arm, dist
+    python experiments/acce_ablations.py g3 --swaps 2 --period 1   # a quick look
+    python experiments/acce_ablations.py g3 --transport object_store vla.d_model=256
 
-It writes ``benchmarks/results/acce_ablations_<ablation>.json`` and ``.png`` (with the command
+It writes ``experiments/results/acce_ablations_<ablation>.json`` and ``.png`` (with the command
 line, the machine and the git state) and prints a Markdown table for ``docs/benchmarks.md``.
 """
 
@@ -80,7 +80,7 @@ import numpy as np  # noqa: E402
 import ray  # noqa: E402
 import torch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from common import git_state, machine, relative, save_result  # noqa: E402
 from inference_service import policy_shape, record_observations  # noqa: E402
 
@@ -694,8 +694,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--out",
         type=Path,
-        default=REPO / "benchmarks" / "results",
-        help="folder for the JSON and PNG (benchmarks/results)",
+        default=REPO / "experiments" / "results",
+        help="folder for the JSON and PNG (experiments/results)",
     )
     sub = parser.add_subparsers(dest="ablation", required=True)
     g1_args = sub.add_parser("g1", help="trainer.value_recompute fused against off, under lag")

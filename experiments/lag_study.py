@@ -8,9 +8,9 @@ pipeline's) in four arms on one level, several seeds each, two processes at a ti
 - ``relayrl_lag1``: the same, the acting policy one update behind (as a pipeline's workers are);
 - ``relayrl_lag1_proximal``: lag 1 with ``trainer.proximal=current``.
 
-    python benchmarks/lag_study.py --seeds 0 1 2 --max-steps 100000
+    python experiments/lag_study.py --seeds 0 1 2 --max-steps 100000
 
-It writes ``benchmarks/results/lag_study.json`` and ``.png``: rollout success over the last 200
+It writes ``experiments/results/lag_study.json`` and ``.png``: rollout success over the last 200
 episodes against env steps, per arm (mean over seeds, each seed thin), with the command line and
 machine.
 """
@@ -32,11 +32,12 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from common import provenance, relative, save_result  # noqa: E402
 
 NAME = "lag_study"
-HERE = Path(__file__).parent
+HERE = Path(__file__).resolve().parent
+BENCHMARKS = HERE.parent / "benchmarks"
 ARMS: dict[str, list[str]] = {
     "reference": [],
     "relayrl": ["--trainer", "relayrl"],
@@ -87,7 +88,7 @@ def run_one(arm: str, seed: int, arms: dict, args: argparse.Namespace, tmp: Path
     name = f"{arm}_s{seed}"
     command = [
         sys.executable,
-        str(HERE / "babyai_reference.py"),
+        str(BENCHMARKS / "babyai_reference.py"),
         *("--stages", args.level, "--summary-only", "--seed", str(seed)),
         *("--max-steps", str(args.max_steps), "--minutes", "120"),
         *("--name", name, "--out", str(tmp)),

@@ -11,10 +11,10 @@ held-out action accuracy, and at the end the greedy policy's success on ``--eval
 episodes of ``--eval-level`` (S7N4). ``--save DIR`` keeps each variant's policy as
 ``DIR/NAME`` (``vla_config.json`` + ``model.safetensors``), which ``vla.path`` loads.
 
-    python benchmarks/view_probe.py
-    python benchmarks/view_probe.py --variant full4 view=full conv_layers=4 --save probe-policies
+    python experiments/view_probe.py
+    python experiments/view_probe.py --variant full4 view=full conv_layers=4 --save probe-policies
 
-It writes ``benchmarks/results/view_probe.json`` and ``.png`` (held-out accuracy against epochs)
+It writes ``experiments/results/view_probe.json`` and ``.png`` (held-out accuracy against epochs)
 and prints a Markdown table.
 """
 
@@ -34,7 +34,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import yaml  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from common import provenance, save_result  # noqa: E402
 
 from relayrl.envs.babyai import BabyAIEnv  # noqa: E402
@@ -262,7 +262,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "(default: egocentric; full; full with conv_layers=4)",
     )
     parser.add_argument("--save", type=Path, default=None, help="keep each variant's policy here")
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
+    parser.add_argument("--out", type=Path, default=REPO / "experiments" / "results")
     args = parser.parse_args(argv)
     if args.image_size % 7:
         parser.error(f"--image-size {args.image_size} must be a multiple of the 7-cell view")
