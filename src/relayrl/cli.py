@@ -118,8 +118,10 @@ def main(argv: list[str] | None = None) -> int:
     evaluate.add_argument(
         "--data",
         default=None,
-        help="LLM: math500, gsm8k, or a .jsonl/.parquet file with 'prompt' and 'answer' fields "
-        "(required unless PATH is a run directory, whose own evaluation is then replayed)",
+        help="LLM: math500 or gsm8k (shipped), hf:NAME[:CONFIG][@SPLIT] (a Hugging Face hub "
+        "dataset; needs relayrl[hf]), or a .jsonl/.jsonl.gz/.parquet file with 'prompt' and "
+        "'answer' fields (required unless PATH is a run directory, whose own evaluation is then "
+        "replayed)",
     )
     evaluate.add_argument("--k", type=int, default=1, help="samples per problem (1: greedy)")
     evaluate.add_argument("--max-new-tokens", type=int, default=256, help="completion length cap")
@@ -349,12 +351,19 @@ def _eval(args: argparse.Namespace) -> int:
     if args.data is None:
         print(
             f"relayrl: --data is required: '{args.path}' is no run directory, so it is scored "
-            "on math data (math500, gsm8k or a .jsonl/.parquet file)",
+            "on math data (math500, gsm8k, hf:NAME or a .jsonl/.jsonl.gz/.parquet file)",
             file=sys.stderr,
         )
         return 2
     if args.k < 1 or args.max_new_tokens < 1 or args.temperature <= 0:
         print("relayrl: --k and --max-new-tokens must be >= 1, --temperature > 0", file=sys.stderr)
+        return 2
+    from relayrl.data.datasets import check_source
+
+    try:
+        check_source(args.data)
+    except ValueError as err:
+        print(f"relayrl: --data: {err}", file=sys.stderr)
         return 2
     from relayrl.evaluate import evaluate, format_report
 
@@ -370,7 +379,7 @@ def _eval(args: argparse.Namespace) -> int:
             workers=args.workers,
             chat_template=args.chat_template,
         )
-    except (FileNotFoundError, ValueError) as err:
+    except (OSError, ValueError, ImportError) as err:  # missing data or checkpoint, hub, extra
         print(f"relayrl: {err}", file=sys.stderr)
         return 2
     print(format_report(report))

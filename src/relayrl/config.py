@@ -27,6 +27,8 @@ from pydantic import (
     model_validator,
 )
 
+from relayrl.data.datasets import check_source
+
 # The registries these name (relayrl.algorithms.losses.LOSSES, .advantages.ADVANTAGES) import
 # torch; the config does not, so that actors which never touch a tensor (rollout workers, replay
 # buffers) start without it. Validators look the registries up when they run.
@@ -139,7 +141,10 @@ class TaskConfig(_Section):
     )
     heldout_size: int = Field(1000, ge=1, description="Problems in the held-out evaluation split.")
     data: str | None = Field(
-        None, description="dataset: math500, gsm8k, or a .jsonl/.parquet file."
+        None,
+        description="dataset: math500 or gsm8k (test sets shipped with relayrl), "
+        "hf:NAME[:CONFIG][@SPLIT] (a Hugging Face hub dataset, split train unless named; needs "
+        "the hf extra), or a .jsonl, .jsonl.gz or .parquet file.",
     )
     prompt_field: str = Field("prompt", description="dataset file: field holding the prompt.")
     answer_field: str = Field("answer", description="dataset file: field holding the answer.")
@@ -153,6 +158,13 @@ class TaskConfig(_Section):
         "{answer}",
         description="Warm-start target built from the reference, e.g. \\boxed{{{answer}}}.",
     )
+
+    @field_validator("data")
+    @classmethod
+    def _known_source(cls, value: str | None) -> str | None:
+        if value is not None:
+            check_source(value)
+        return value
 
     @model_validator(mode="after")
     def _dataset_needs_data(self) -> TaskConfig:
