@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gzip
 import json
+import math
 import os
 import platform
+import re
 import shlex
 import subprocess
 import sys
@@ -18,6 +21,7 @@ from typing import Any
 
 import ray
 import torch
+from PIL import Image
 
 from relayrl.config import Config, load_config
 from relayrl.executors.generator import Generator
@@ -52,13 +56,62 @@ def git_state() -> dict:
 def save_result(
     out: Path, name: str, result: dict, plot: Callable[[dict, Path], Path], table: str
 ) -> None:
-    """Write ``out/NAME.json`` and ``out/NAME.png``, print the Markdown table."""
+    """Write ``out/NAME.json`` (see ``dumps``) and ``out/NAME.png`` (see ``shrink_png``), print
+    the Markdown table."""
     out.mkdir(parents=True, exist_ok=True)
     json_path = out / f"{name}.json"
-    json_path.write_text(json.dumps(result, indent=2) + "\n")
-    png_path = plot(result, out / f"{name}.png")
+    json_path.write_text(dumps(result))
+    png_path = shrink_png(plot(result, out / f"{name}.png"))
     print(table)
     print(f"\nwrote {relative(str(json_path))} and {relative(str(png_path))}", file=sys.stderr)
+
+
+def dumps(result: dict) -> str:
+    """``result`` as indented JSON with each list of plain values (a curve's point, a row of
+    numbers) on one line, a fraction of the lines ``indent=2`` alone gives."""
+
+    def one_line(match: re.Match) -> str:
+        # A JSON string holds no raw newline, so only whitespace between values goes.
+        return re.sub(r"\n\s*\]", "]", re.sub(r",\n\s*", ", ", re.sub(r"\[\n\s*", "[", match[0])))
+
+    return re.sub(r"\[[^\[\]{}]*\]", one_line, json.dumps(result, indent=2)) + "\n"
+
+
+def shrink_png(path: Path) -> Path:
+    """Rewrite the PNG at ``path`` in 256 colours: a plot keeps its look at about a third of the
+    bytes of matplotlib's RGBA (result files live in git)."""
+    with Image.open(path) as image:
+        small = image.convert("RGB").quantize(
+            256, Image.Quantize.MEDIANCUT, dither=Image.Dither.NONE
+        )
+    small.save(path, optimize=True)
+    return path
+
+
+def coarse(curve: list, points: int = 100) -> list:
+    """Every k-th entry of ``curve``, k chosen to keep at most ``points`` (and the last entry):
+    how a summary in git keeps a per-step curve."""
+    if len(curve) <= points:
+        return list(curve)
+    stride = math.ceil((len(curve) - 1) / (points - 1))
+    kept = curve[::stride]
+    return kept if kept[-1] == curve[-1] else [*kept, curve[-1]]
+
+
+def write_steps(out: Path, name: str, result: dict) -> Path:
+    """Write a per-step dump, compressed, to ``out/steps/NAME.json.gz``: outside git (see
+    .gitignore), beside the summary that ``save_result`` writes to ``out/NAME.json``."""
+    path = out / "steps" / f"{name}.json.gz"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(gzip.compress(json.dumps(result, separators=(",", ":")).encode(), mtime=0))
+    print(f"wrote {relative(str(path))}", file=sys.stderr)
+    return path
+
+
+def read_result(path: Path) -> dict:
+    """A result file: ``NAME.json``, or a per-step dump ``NAME.json.gz``."""
+    data = path.read_bytes()
+    return json.loads(gzip.decompress(data) if path.suffix == ".gz" else data)
 
 
 def _git(*args: str) -> str:

@@ -37,9 +37,11 @@ Other options: ``--losses`` (corrections), ``--lags``, ``--steps``, ``--eval-eve
 ``task.heldout_size=500``).
 It writes ``benchmarks/results/staleness.json`` and ``.png`` (accuracy against lag, one line per
 loss; the mean ESS against lag; the ESS per step at the largest lag) with the command line and
-the machine, and prints Markdown tables. After each run it rewrites ``staleness.partial.json``
-with the runs so far, so a grid stopped part-way keeps what it measured. The checkpoint and the
-run directories are temporary.
+the machine, and prints Markdown tables. The JSON is a summary (every run's numbers, its held-out
+curve, its ESS at about 100 steps, the early-warning table); the per-step ESS and health traces go
+to ``benchmarks/results/steps/staleness.json.gz``, outside git, which ``--from-json`` also reads.
+After each run it rewrites ``staleness.partial.json`` with the runs so far, so a grid stopped
+part-way keeps what it measured. The checkpoint and the run directories are temporary.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ from statistics import mean
 import matplotlib
 import matplotlib.pyplot as plt
 import ray
-from common import provenance, relative, save_result, warm_start
+from common import coarse, provenance, read_result, relative, save_result, warm_start, write_steps
 
 from relayrl.algorithms.losses import LOSSES
 from relayrl.config import Config, load_config
@@ -79,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     """Warm-start once, train every (loss, lag) pair from it, write JSON + plot, print tables."""
     args = parse_args(argv)
     if args.from_json is not None:  # tables and plot again, from a finished run's JSON
-        result = json.loads(args.from_json.read_text())
+        result = summarise(read_result(args.from_json))
         save_result(args.out, NAME, result, plot, markdown_tables(result))
         return 0
     runs = []
@@ -131,8 +133,23 @@ def main(argv: list[str] | None = None) -> int:
         "wall_clock_s": time.time() - began,
         "runs": runs,
     }
-    save_result(args.out, NAME, result, plot, markdown_tables(result))
+    write_steps(args.out, NAME, result)
+    summary = summarise(result)
+    save_result(args.out, NAME, summary, plot, markdown_tables(summary))
     return 0
+
+
+def summarise(result: dict) -> dict:
+    """What ``staleness.json`` keeps: ``result`` with each run's ESS trace coarsened (4 digits) and
+    its health traces left out, and the early-warning table, which needs them, computed first. A
+    summary passes through unchanged."""
+    warnings = result["early_warnings"] if "early_warnings" in result else early_warnings(result)
+    runs = [
+        {key: value for key, value in run.items() if key != "health"}
+        | {"ess": [[step, round(value, 4)] for step, value in coarse(run["ess"])]}
+        for run in result["runs"]
+    ]
+    return result | {"runs": runs, "early_warnings": warnings}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -389,7 +406,7 @@ def markdown_tables(result: dict) -> str:
     lines += ["", "Mean loss/ess over the steps at lag K:", "", head, rule]
     for loss in result["settings"]["losses"]:
         lines.append(f"| {loss} | " + " | ".join(ess(by[loss, lag]) for lag in lags) + " |")
-    warnings = early_warnings(result)
+    warnings = result["early_warnings"] if "early_warnings" in result else early_warnings(result)
     if warnings:
         names = ["ess", *HEALTH[:-1]]
         lines += [
