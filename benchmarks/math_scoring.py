@@ -1,6 +1,6 @@
 """Math answer scoring throughput: pairs per second through ScoringPool with 1 and 2 workers.
 
-The pairs come from MATH-500 and GSM8K (read from ``../shared/data``): every worked solution
+The pairs come from MATH-500 and GSM8K (the copies shipped with relayrl): every worked solution
 against its own answer and against the answers of other rows (fresh random permutations), cycled
 to ``--pairs`` items. Own-answer pairs repeat once the pairs outnumber the rows, so the parse cache
 in each worker is hit as in RL, where a group of samples shares one reference. Each setting gets a
@@ -33,6 +33,7 @@ from pathlib import Path
 import matplotlib
 import matplotlib.pyplot as plt
 
+from relayrl.data.datasets import benchmark_file, read_rows
 from relayrl.rewards.math import SCORER
 from relayrl.rewards.math import _score_unbounded as score  # in-process: no sandbox
 from relayrl.rewards.sandbox import ScoringPool
@@ -41,7 +42,6 @@ matplotlib.use("Agg")  # benchmark machines have no display
 
 NAME = "math_scoring"
 REPO = Path(__file__).resolve().parents[1]
-DATA = REPO.parent / "shared" / "data"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,8 +106,8 @@ def parallel_speedup(iterations: int = 5_000_000) -> float:
 
 def build_pairs(count: int, rng: random.Random) -> list[tuple[str, str]]:
     """Solutions against their own answer, then against other rows' answers, cycled to count."""
-    math500 = [json.loads(line) for line in (DATA / "math500_test.jsonl").open()]
-    gsm8k = [json.loads(line) for line in (DATA / "gsm8k_test.jsonl").open()]
+    math500 = [row for _, row in read_rows(benchmark_file("math500_test"))]
+    gsm8k = [row for _, row in read_rows(benchmark_file("gsm8k_test"))]
     rows = [(row["solution"], row["answer"]) for row in math500]
     rows += [(row["answer"], row["answer"].rsplit("####", 1)[1].strip()) for row in gsm8k]
     pairs = list(rows)

@@ -8,13 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 from conftest import tiny_config
 
 from relayrl.models.lm import build_policy, load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED = ROOT.parent / "shared" / "data"
 
 
 def _checkpoint(folder: Path, tokenizer: str) -> Path:
@@ -63,7 +61,6 @@ def test_eval_of_a_byte_tokenizer_checkpoint_on_a_user_file(tmp_path):
     assert all(r["score"] in (0.0, 1.0) for r in rows)
 
 
-@pytest.mark.skipif(not (SHARED / "math500_test.jsonl").is_file(), reason=f"{SHARED} not found")
 def test_eval_of_a_run_directory_with_the_demo_char_tokenizer_on_math500(tmp_path):
     _checkpoint(tmp_path / "run" / "checkpoint", "builtin:char")
     result = subprocess.run(
@@ -82,11 +79,12 @@ def test_eval_of_a_run_directory_with_the_demo_char_tokenizer_on_math500(tmp_pat
             "--workers",
             "1",
         ],
-        cwd=ROOT,
+        cwd=tmp_path,  # no ../shared/data beside it
         capture_output=True,
         text=True,
         timeout=300,
-        env={**os.environ, "RELAYRL_DATA_DIR": str(SHARED)},
+        # MATH-500 ships with the package: no data folder is set.
+        env={k: v for k, v in os.environ.items() if k != "RELAYRL_DATA_DIR"},
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "by subject:" in result.stdout and "by level:" in result.stdout

@@ -8,23 +8,16 @@ through the sandboxed ScoringPool, as in training.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 
+from relayrl.data.datasets import PACKAGED_DATA, read_rows
 from relayrl.rewards.math import SCORER
 from relayrl.rewards.sandbox import ScoringPool
 
-DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
-
 
 def load(name: str) -> list[dict]:
-    """The rows of a JSONL file under ../shared/data, or skip the test when it is absent."""
-    path = DATA / name
-    if not path.exists():
-        pytest.skip(f"{path} not found: the evaluation data lives in ../shared/data (see README)")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """The rows of a benchmark file shipped with the package."""
+    return [row for _, row in read_rows(PACKAGED_DATA / name)]
 
 
 def gsm8k_number(row: dict) -> str:
@@ -52,7 +45,7 @@ def pool():
 
 
 def test_math500(pool):
-    rows = load("math500_test.jsonl")
+    rows = load("math500_test.jsonl.gz")
     own, other = own_and_other(
         rows,
         lambda row: row["solution"],
@@ -69,7 +62,7 @@ def test_math500(pool):
 
 
 def test_gsm8k(pool):
-    rows = load("gsm8k_test.jsonl")
+    rows = load("gsm8k_test.jsonl.gz")
     own, other = own_and_other(
         rows,
         lambda row: row["answer"],
