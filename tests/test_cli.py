@@ -30,7 +30,10 @@ BAD_CONFIGS = {
     "unknown-nested-key": ([ARITH, "trainer.los=aipo"], "trainer.los: unknown key"),
     "wrong-type": ([ARITH, "steps=abc"], "steps = 'abc': Input should be a valid integer"),
     "negative-staleness": ([ARITH, "max_staleness=-1"], "max_staleness = -1: "),
-    "unknown-loss": ([ARITH, "trainer.loss=magic"], "allowed: aipo, aipo_clamp, ess_aipo, gipo"),
+    "unknown-loss": (
+        [ARITH, "trainer.loss=magic"],
+        "allowed: aipo, aipo_clamp, ess_aipo, geo_mask, gipo",
+    ),
     "unknown-advantage": ([ARITH, "trainer.advantage=ppo"], "trainer.advantage = 'ppo': "),
     "missing-file": (["configs/does_not_exist.yaml"], "'configs/does_not_exist.yaml' not found"),
     "missing-model-dir": ([ARITH, "model.path={tmp}/none"], "model.path = '{tmp}/none': "),
