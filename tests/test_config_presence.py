@@ -247,6 +247,10 @@ REFUSALS = {
         ["generator.prompts_per_step=4", "trainer.minibatches=5"],
         "trainer.minibatches=5 is more than a step's groups (generator.prompts_per_step=4)",
     ),
+    "_vcpo_baseline_weighs_as_tis_seq": (
+        ["trainer.advantage=vcpo_baseline"],
+        "it needs trainer.loss=tis_seq and trainer.proximal=behaviour; got trainer.loss=aipo",
+    ),
     "_gae_takes_the_kl_in_the_loss": (
         ["trainer.advantage=gae", "trainer.kl_coef=0.1", "trainer.kl_in=reward"],
         "trainer.advantage=gae with trainer.kl_in=reward is not supported",
@@ -293,6 +297,9 @@ def test_the_rules_accept_the_nearest_valid_combinations():
         ["generator.min_lag=2", "channels.capacity=2"],
         ["trainer.advantage=gae", "trainer.kl_coef=0.1", "trainer.kl_in=loss"],
         ["generator.prompts_per_step=4", "trainer.minibatches=4"],
+        # VCPO's recipe
+        ["trainer.advantage=vcpo_baseline", "trainer.loss=tis_seq", "trainer.seq_is_cap=8"]
+        + ["trainer.ess_lr=true"],
     ]
     for overrides in ok:
         assert isinstance(load_config(None, overrides), Config), overrides

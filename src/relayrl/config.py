@@ -419,7 +419,8 @@ class TrainerConfig(_Section):
         2.0,
         gt=0,
         description="tis_seq: truncation C of each sequence's importance weight prod(pi/mu) "
-        "(verl's default 2; it suggests 2..10).",
+        "(verl's default 2; it suggests 2..10; VCPO's recipe 8), also the weight "
+        "trainer.advantage=vcpo_baseline gives it.",
     )
     seq_mis_lower: float = Field(
         0.5,
@@ -498,7 +499,10 @@ class LLMTrainerConfig(TrainerConfig):
         "grpo",
         description="Advantage: "
         + ", ".join(BUILTIN_ADVANTAGES)
-        + " (per group of completions), or gae: PPO's, per token, from the critic's values "
+        + " (per group of completions); vcpo_baseline: each reward minus VCPO's off-policy "
+        "optimal baseline, its group's mean weighted by w^2 * length with w tis_seq's sequence "
+        "weight min(prod pi/mu, seq_is_cap) (needs trainer.loss=tis_seq; VCPO's recipe adds "
+        "seq_is_cap=8 and ess_lr=true); or gae: PPO's, per token, from the critic's values "
         "(places the critic role).",
     )
     precision: Literal["fp32", "bf16"] = Field(
@@ -547,8 +551,8 @@ class LLMTrainerConfig(TrainerConfig):
     def _known_advantage(cls, value: str) -> str:
         from relayrl.algorithms.advantages import ADVANTAGES
 
-        if value not in ADVANTAGES and value != "gae":
-            allowed = ", ".join([*sorted(ADVANTAGES), "gae"])
+        if value not in ADVANTAGES and value not in ("gae", "vcpo_baseline"):
+            allowed = ", ".join([*sorted(ADVANTAGES), "gae", "vcpo_baseline"])
             raise ValueError(f"unknown advantage; allowed: {allowed}")
         return value
 
@@ -1574,6 +1578,18 @@ def _minibatches_fit_the_groups(cfg: Config) -> None:
         )
 
 
+def _vcpo_baseline_weighs_as_tis_seq(cfg: Config) -> None:
+    """VCPO's baseline weighs each sequence by the weight tis_seq's loss gives it."""
+    tc = cfg.trainer
+    if tc.advantage == "vcpo_baseline" and (tc.loss != "tis_seq" or tc.proximal != "behaviour"):
+        raise ValueError(
+            "trainer.advantage=vcpo_baseline weighs each sequence by the weight tis_seq gives "
+            "it, min(prod pi/mu, trainer.seq_is_cap): it needs trainer.loss=tis_seq and "
+            f"trainer.proximal=behaviour; got trainer.loss={tc.loss}, "
+            f"trainer.proximal={tc.proximal}"
+        )
+
+
 def _gae_takes_the_kl_in_the_loss(cfg: Config) -> None:
     """The critic computes GAE before the trainer's KL shaping of the rewards."""
     tc = cfg.trainer
@@ -1635,6 +1651,7 @@ RULES: dict[str, tuple[Callable[[Any], None], ...]] = {
         _generator_lag_within_staleness,
         _generator_lag_fits_the_channels,
         _minibatches_fit_the_groups,
+        _vcpo_baseline_weighs_as_tis_seq,
         _gae_takes_the_kl_in_the_loss,
         _int8_generator_needs_int8_storage,
         _in_place_sync_needs_one_rank,

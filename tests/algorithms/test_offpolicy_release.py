@@ -20,6 +20,8 @@ from relayrl.algorithms.losses import (
     m2po_release_loss,
     m2po_release_threshold,
     mis_seq_verl_loss,
+    tis_seq_loss,
+    tis_seq_weights,
     token_sequence_log_weights,
     token_sequence_mean_log_ratios,
     vcpo_baseline_advantages,
@@ -390,6 +392,29 @@ def test_vcpo_baseline_is_affine_equivariant_and_falls_back_to_the_mean():
     close(zero, [0.5, -0.5, -0.5, 0.5])
     with pytest.raises(ValueError, match="group_size must be >= 1 and divide the 4 rewards"):
         vcpo_baseline_advantages(rewards, weights, lengths, group_size=3)
+
+
+def test_vcpo_baseline_of_equal_rewards_is_exactly_zero():
+    # sum(c R) / sum(c) rounds to R - 3.7e-9 for these c = w^2 s: no signal must stay none
+    rewards = torch.full((3,), 0.058464765548706055)
+    weights = torch.tensor([3.9919095039367676, 0.7101228833198547, 4.6732025146484375]).sqrt()
+    advantages = vcpo_baseline_advantages(rewards, weights, torch.ones(3), group_size=3)
+    assert advantages.tolist() == [0.0, 0.0, 0.0]
+
+
+def test_tis_seq_weights_are_the_weights_tis_seq_gives_its_sequences():
+    # log W = 0.5 - 0.2, ln 3 (above the cap 2), and no valid token (W = 1)
+    logp = torch.tensor([[0.5, -0.2], [math.log(3.0), 9.0], [4.0, 4.0]])
+    mask = torch.tensor([[True, True], [True, False], [False, False]])
+    weights = tis_seq_weights(logp, torch.zeros_like(logp), mask, cap=2.0)
+    close(weights, [math.exp(0.3), 2.0, 1.0])
+    # d tis_seq / d log pi_t = -min(W, C) A_t / n: the same weights, here with A = 1, n = 3
+    leaf_logp = logp.clone().requires_grad_()
+    loss, _ = tis_seq_loss(leaf_logp, torch.zeros_like(logp), torch.ones_like(logp), mask, cap=2.0)
+    loss.backward()
+    close(leaf_logp.grad[:, 0], (-weights * mask[:, 0] / 3).tolist())
+    with pytest.raises(ValueError, match="cap must be > 0"):
+        tis_seq_weights(logp, logp, mask, cap=0.0)
 
 
 def test_vcpo_baseline_has_the_least_variance_of_any_constant_baseline():

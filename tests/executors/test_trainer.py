@@ -505,3 +505,45 @@ def test_every_step_logs_the_drift_and_the_clipped_share():
     # every ratio is below 1 - eps = 0.8: the clip holds the tokens whose advantage is negative,
     # half of them (rewards 1, 0 in each group)
     assert metrics["loss/clip_frac"] == 0.5
+
+
+VCPO = ("trainer.advantage=vcpo_baseline", "trainer.loss=tis_seq", "trainer.seq_is_cap=8")
+
+
+def _vcpo_batch(trainer: Trainer) -> RolloutBatch:
+    """Two groups of 3 whose log sequence weights log W = sum(log pi - log mu) against the
+    trainer's own policy are set by hand: ln 2, 0, ln 8 + 1 and 0, 0, 0; completion lengths
+    2, 1, 2 and 2, 2, 1; rewards 1, 0, 0 and 0, 1, 1."""
+    batch = _batch([0, 0], group_size=3)
+    batch.versions[[1, 5], 4] = -1  # a one-token completion in each group
+    batch.completion_len[:] = [2, 1, 2, 2, 2, 1]
+    batch.rewards[:] = [1.0, 0.0, 0.0, 0.0, 1.0, 1.0]
+    batch = _on_policy(trainer, batch)
+    log_w = [math.log(2.0), 0.0, math.log(8.0) + 1.0, 0.0, 0.0, 0.0]
+    valid = batch.completion_mask
+    batch.logprobs[:] = np.where(valid, batch.logprobs - np.array(log_w)[:, None] / 2, 0.0)
+    batch.logprobs[[1, 5], 3] -= np.array(log_w)[[1, 5]] / 2  # the one-token rows: all on it
+    return batch
+
+
+def test_the_vcpo_baseline_gives_the_loss_the_off_policy_optimal_advantages():
+    trainer = Trainer(tiny_config(*VCPO, "experiment.skip_zero_signal=false"))
+    seen = []
+    loss_fn = trainer.loss_fn
+
+    def spy(logp, mu_logp, advantages, mask, **options):
+        seen.append((advantages.clone(), options))
+        return loss_fn(logp, mu_logp, advantages, mask, **options)
+
+    trainer.loss_fn = spy
+    batch = _vcpo_batch(trainer)
+    assert trainer.train_step(batch).stepped
+    ((advantages, options),) = seen
+    assert options == {"cap": 8.0}
+    # group 0: w = 2, 1, min(8e, 8) = 8; s = 2, 1, 2; w^2 s = 8, 1, 128: b = 8 / 137
+    # group 1: w = 1 on policy; s = 2, 2, 1: b = (2 + 1) / 5 = 3 / 5 (the plain mean is 2/3)
+    expected = [129 / 137, -8 / 137, -8 / 137, -3 / 5, 2 / 5, 2 / 5]
+    torch.testing.assert_close(advantages[:, 2], torch.tensor(expected), atol=1e-5, rtol=0)
+    # every valid token of a completion carries its advantage
+    valid = torch.from_numpy(batch.completion_mask[:, 1:])
+    assert torch.equal(advantages[valid], advantages[:, 2:3].expand_as(valid)[valid])

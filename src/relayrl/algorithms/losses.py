@@ -292,10 +292,21 @@ def tis_seq_loss(
         raise ValueError(f"cap must be > 0, got cap={cap}")
     mask, log_ratio, advantages = _prepare(logp, mu_logp, advantages, mask)
     seq_log_weight = _sequence_log_weight(log_ratio, mask)
-    weight = seq_log_weight.clamp(max=math.log(cap)).exp().to(log_ratio.dtype)
+    weight = _truncated_weight(seq_log_weight, cap).to(log_ratio.dtype)
     loss = -masked_mean(weight[:, None] * advantages * logp, mask)
     truncated = (seq_log_weight > math.log(cap))[:, None].expand_as(mask)
     return loss, _metrics(log_ratio, truncated, mask, advantages)
+
+
+def tis_seq_weights(logp: Tensor, mu_logp: Tensor, mask: Tensor, cap: float) -> Tensor:
+    """[B] min(W_i, cap), the weight ``tis_seq_loss`` gives each sequence (row), W_i = prod of its
+    valid tokens' pi / mu (1 for a row with none); no gradient, at least float32. The weight
+    w_i of ``vcpo_baseline_advantages`` under VCPO's recipe."""
+    if cap <= 0:
+        raise ValueError(f"cap must be > 0, got cap={cap}")
+    _check_shapes(logp=logp, mu_logp=mu_logp, mask=mask)
+    mask = mask.bool()
+    return _truncated_weight(_sequence_log_weight(_log_ratio(logp, mu_logp, mask), mask), cap)
 
 
 def mis_seq_loss(
@@ -758,7 +769,8 @@ def vcpo_baseline_advantages(
     form, w = 1, is OPO's, Hao et al. 2025, arXiv:2505.23585). VCPO measures s_i from each
     sequence's gradient; OPO's cheap proxy is the sequence length. With w and s equal within a
     group, b_g is the group's mean reward (Dr. GRPO's baseline). A group whose w^2 s are all 0
-    falls back to its mean.
+    falls back to its mean. A group whose rewards are all equal gets advantage exactly 0 (no
+    signal, as in ``grpo_advantages``), not a rounding residue of the weighted mean.
 
     The baseline is affine-equivariant (b(aR + c) = a b(R) + c), so passing GRPO's normalised
     advantages (R - mean) / std as ``rewards`` gives (R - b_g) / std: the baseline swapped into
@@ -766,10 +778,10 @@ def vcpo_baseline_advantages(
     baseline needs no gather.
 
     Where we differ: VCPO computes per-sequence gradient norms inside its Megatron actor; here
-    ``grad_sq_norms`` is an input. VCPO's recipe is this baseline with sequence TIS at cap 8
-    (``trainer.loss=tis_seq``, ``trainer.seq_is_cap=8``) and the ESS-scaled learning rate
-    (``trainer.ess_lr``); the trainer has no hook for a baseline that needs the log-ratios yet,
-    so the recipe runs today without it.
+    ``grad_sq_norms`` is an input, and the trainer passes OPO's length proxy. VCPO's recipe is
+    this baseline (``trainer.advantage=vcpo_baseline``, w = ``tis_seq_weights``) with sequence
+    TIS at cap 8 (``trainer.loss=tis_seq``, ``trainer.seq_is_cap=8``) and the ESS-scaled
+    learning rate (``trainer.ess_lr``).
 
     Args:
         rewards: [B] one reward (or advantage) per sequence, groups of ``group_size`` in a row.
@@ -792,7 +804,8 @@ def vcpo_baseline_advantages(
     total = c.sum(dim=1, keepdim=True)
     optimal = (c * r).sum(dim=1, keepdim=True) / total.clamp(min=torch.finfo(wide).tiny)
     baseline = torch.where(total > 0, optimal, r.mean(dim=1, keepdim=True))
-    return (r - baseline).reshape(rewards.shape).to(rewards.dtype)
+    advantages = (r - baseline).masked_fill((r == r[:, :1]).all(dim=1, keepdim=True), 0.0)
+    return advantages.reshape(rewards.shape).to(rewards.dtype)
 
 
 LOSSES: dict[str, LossFn] = {
@@ -905,6 +918,11 @@ def _ppo_clip_terms(
     unclipped = ratio * advantages
     clipped = ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantages
     return torch.minimum(unclipped, clipped), clipped < unclipped
+
+
+def _truncated_weight(seq_log_weight: Tensor, cap: float) -> Tensor:
+    """min(W, cap) from log W, formed as exp(min(log W, log cap)) so that no weight overflows."""
+    return seq_log_weight.clamp(max=math.log(cap)).exp()
 
 
 def _sequence_mean_log_ratio(log_ratio: Tensor, mask: Tensor) -> Tensor:

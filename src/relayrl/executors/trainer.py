@@ -39,7 +39,11 @@ from relayrl import faults, parallel
 from relayrl.algorithms.advantages import ADVANTAGES, zero_signal_samples
 from relayrl.algorithms.decoupled import decoupled_loss
 from relayrl.algorithms.kl import KL_ESTIMATORS, sequence_kl
-from relayrl.algorithms.losses import BATCH_STATISTICS
+from relayrl.algorithms.losses import (
+    BATCH_STATISTICS,
+    tis_seq_weights,
+    vcpo_baseline_advantages,
+)
 from relayrl.config import Config
 from relayrl.envs import build_task
 from relayrl.executors.generator import complete, probe_problems
@@ -58,7 +62,8 @@ class Trainer(PolicyCore):
         if cfg.trainer.gradient_checkpointing:
             model.gradient_checkpointing_enable()
         super().__init__(cfg, model, rank=rank, world=world)
-        self.advantage_fn = ADVANTAGES.get(cfg.trainer.advantage)  # None: gae, from the critic
+        # None: gae (the critic's) or vcpo_baseline (from the log-probs), see _advantages
+        self.advantage_fn = ADVANTAGES.get(cfg.trainer.advantage)
         self._warm: tuple | None = None
 
     def warm_start(self, steps: int) -> dict[str, float]:
@@ -294,13 +299,7 @@ class Trainer(PolicyCore):
         if filler:  # an all-false mask: a zero loss, still connected to every parameter
             mask = torch.zeros_like(mask)
         mu = torch.from_numpy(batch.logprobs[:, 1:])
-        if tc.advantage == "gae":
-            token_adv = torch.from_numpy(
-                _from_stage(batch, "token_advantages", "trainer.advantage=gae", "critic")[:, 1:]
-            )
-        else:
-            advantages = self.advantage_fn(torch.from_numpy(batch.rewards), batch.group_size)
-            token_adv = advantages[:, None].expand_as(logp)
+        token_adv = self._advantages(batch, logp, mu, mask)
         if prox is None:
             options = self.loss_options(logp, mu, mask)
             loss, loss_stats = self.loss_fn(logp, mu, token_adv, mask, **options)
@@ -345,6 +344,29 @@ class Trainer(PolicyCore):
         if tc.ess_lr:
             metrics["loss/ess_lr_scale"] = lr_scale
         return drift, metrics | {"loss/lr": lr} | {k: health[k] for k in health.keys() - drift}
+
+    def _advantages(
+        self, batch: RolloutBatch, logp: torch.Tensor, mu: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """[B, L-1] each token's advantage: the critic's (gae), or its completion's group
+        advantage. ``vcpo_baseline`` weighs each completion by the weight ``tis_seq`` gives it,
+        w = min(prod pi / mu, seq_is_cap), from this minibatch's log-probs, and by its length in
+        tokens, OPO's proxy for the squared score norm (the exact norm would take a backward pass
+        per completion). A group is whole on each rank (minibatches and ranks split a batch by
+        groups), so the group's baseline needs no gather."""
+        tc = self.cfg.trainer
+        if tc.advantage == "gae":
+            return torch.from_numpy(
+                _from_stage(batch, "token_advantages", "trainer.advantage=gae", "critic")[:, 1:]
+            )
+        rewards = torch.from_numpy(batch.rewards)
+        if tc.advantage == "vcpo_baseline":
+            weights = tis_seq_weights(logp.detach(), mu, mask, tc.seq_is_cap)
+            lengths = mask.sum(dim=1)
+            advantages = vcpo_baseline_advantages(rewards, weights, lengths, batch.group_size)
+        else:
+            advantages = self.advantage_fn(rewards, batch.group_size)
+        return advantages[:, None].expand_as(logp)
 
     def save_pretrained(self, path: str) -> str:
         """Save a Hugging Face checkpoint (safetensors) with its tokenizer. In a group every rank
