@@ -35,13 +35,29 @@ def test_decoupled_ppo_value_gradient_and_metrics_by_hand():
     assert metrics["behaviour_weight"] == pytest.approx((1.5 + 1 + math.exp(-1)) / 3)
 
 
-def test_the_behaviour_weight_is_capped_in_log_space_and_zero_on_padding():
+def test_the_behaviour_weight_is_capped_and_zero_on_padding():
+    # prox / mu = e^500 overflows exp() to inf: the cap, exactly
     prox = torch.tensor([[500.0, 0.0, -1.0]])
     mu = torch.tensor([[0.0, 0.0, math.inf]])
     weight = behaviour_weight(prox, mu, torch.tensor([[True, True, False]]), cap=2.0)
     assert weight.tolist() == [[2.0, 1.0, 0.0]]
     with pytest.raises(ValueError, match="cap must be > 0"):
         behaviour_weight(prox, mu, torch.ones_like(prox, dtype=torch.bool), cap=0.0)
+
+
+@pytest.mark.parametrize("cap", [0.13, 0.5, 2.0, 8.0])
+def test_the_behaviour_weight_is_what_the_vla_trainer_computed_inline_bit_for_bit(cap):
+    # The VLA trainer weighed its tokens by (prox - mu).exp().clamp(max=cap) before it called
+    # behaviour_weight: the same tensor, bit for bit, so its loss is unchanged. At cap 0.13,
+    # exp(log 0.13) is a float32 ulp away from 0.13: the clamp must come after the exp.
+    generator = torch.Generator().manual_seed(1)
+    mu = -torch.rand(64, 7, generator=generator) * 4
+    prox = mu + torch.randn(64, 7, generator=generator) * 2  # weights from ~e^-6 to e^6
+    prox[0, :3] = mu[0, :3] + torch.tensor([math.log(cap), 90.0, 200.0])  # at the cap, inf
+    inline = (prox - mu).exp().clamp(max=cap)
+    weight = behaviour_weight(prox, mu, torch.ones_like(mu, dtype=torch.bool), cap)
+    assert torch.equal(weight, inline)
+    assert (weight == cap).sum() >= 3 and (weight < cap).any()
 
 
 @pytest.mark.parametrize("cap", [0.5, 2.0])

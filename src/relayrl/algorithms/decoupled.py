@@ -23,13 +23,12 @@ bite, after the first step moved pi.
 
 Where we differ from AReaL: its ``behav_imp_weight_cap`` drops the tokens whose weight exceeds the
 cap (their loss term becomes 0); we truncate the weight at the cap, as AIPO and IMPALA do, so such
-a token still learns at weight ``cap``. The weight is formed as exp(min(log prox - log mu,
-log cap)), so a very stale token cannot overflow exp().
+a token still learns at weight ``cap``. The weight is exp(log prox - log mu) clamped at the cap,
+so a weight past the cap is the cap exactly, one whose exp() overflows to inf included (it
+carries no gradient, so no inf reaches one).
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 from torch import Tensor
@@ -46,7 +45,7 @@ def behaviour_weight(prox_logp: Tensor, mu_logp: Tensor, mask: Tensor, cap: floa
         raise ValueError(f"cap must be > 0, got cap={cap}")
     valid = mask.bool()
     log_weight = torch.where(valid, prox_logp.detach() - mu_logp.detach(), 0.0)
-    return torch.where(valid, log_weight.clamp(max=math.log(cap)).exp(), 0.0)
+    return torch.where(valid, log_weight.exp().clamp(max=cap), 0.0)
 
 
 def decoupled_loss(

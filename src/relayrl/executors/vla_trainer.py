@@ -57,6 +57,7 @@ import torch
 from torch import Tensor
 
 from relayrl import faults, parallel
+from relayrl.algorithms import decoupled
 from relayrl.algorithms.advantages import gae
 from relayrl.algorithms.normalization import Welford, global_normalize
 from relayrl.config import Config
@@ -342,7 +343,9 @@ class VLATrainer(PolicyCore):
                 mu, behaviour_weight = data["logprobs"][idx], None
                 if self.tc.proximal == "current":  # the trust region around the old policy
                     old = data["old_logprobs"][idx]
-                    behaviour_weight = (old - mu).exp().clamp(max=self.tc.proximal_weight_cap)
+                    every = torch.ones_like(mu, dtype=torch.bool)
+                    cap = self.tc.proximal_weight_cap
+                    behaviour_weight = decoupled.behaviour_weight(old, mu, every, cap)
                     mu = old
                 step = self._minibatch_step(
                     logp,
