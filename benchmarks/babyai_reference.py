@@ -11,14 +11,15 @@ last 200 episodes.
     python benchmarks/babyai_reference.py --stages BabyAI-GoToLocalS5N2-v0 --minutes 7
 
 It writes ``benchmarks/results/babyai_reference.json`` and ``.png`` (success per stage against
-env steps, with the command line and machine).
+env steps, with the command line and machine); the JSON's curve keeps at most 200 of the points,
+and every point (one per rollout) goes to ``steps/babyai_reference.json.gz`` under ``--out``, which
+the benchmarks that time the reference read.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import shlex
 import sys
 import time
 from collections import deque
@@ -34,7 +35,7 @@ import torch  # noqa: E402
 import yaml  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import git_state, machine, relative, save_result  # noqa: E402
+from common import coarse, provenance, relative, save_result, write_steps  # noqa: E402
 
 from relayrl.algorithms.losses import LOSSES  # noqa: E402
 from relayrl.config import load_config  # noqa: E402
@@ -46,6 +47,7 @@ from relayrl.types import Segment  # noqa: E402
 
 NAME = "babyai_reference"
 WINDOW = 200  # episodes per stage that the success rate and promotion look at
+CURVE_POINTS = 200  # of the curve that the JSON in git keeps
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -136,10 +138,7 @@ def main(argv: list[str] | None = None) -> int:
             break
     result = {
         "benchmark": NAME,
-        "command": shlex.join(["python", *(relative(arg) for arg in sys.argv)]),
-        "date": time.strftime("%Y-%m-%d"),
-        "machine": machine(),
-        "git": git_state(),
+        **provenance(),
         "args": {k: relative(str(v)) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "params": sum(p.numel() for p in model.parameters()),
         "env_steps": frames,
@@ -148,7 +147,9 @@ def main(argv: list[str] | None = None) -> int:
         "final": {s: (float(np.mean(d)) if d else None) for s, d in outcomes.items()},
         "curve": curve,
     }
-    save_result(args.out, args.name, result, plot, table(result))
+    write_steps(args.out, args.name, result)
+    summary = result | {"curve": coarse(result["curve"], CURVE_POINTS)}
+    save_result(args.out, args.name, summary, plot, table(summary))
     return 0
 
 

@@ -45,7 +45,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from babyai_reference import WINDOW  # noqa: E402  (episodes both runs judge success over)
-from common import provenance, relative, save_result  # noqa: E402
+from common import provenance, read_result, relative, save_result  # noqa: E402
 
 from relayrl.config import load_config  # noqa: E402
 from relayrl.job import train  # noqa: E402
@@ -118,7 +118,7 @@ def run_reference(args: argparse.Namespace, tmp: Path) -> dict:
     start = time.time()
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
     wall = time.time() - start
-    found = json.loads((tmp / "reference.json").read_text())
+    found = read_result(tmp / "steps" / "reference.json.gz")  # every point of the curve
     last = STAGES[-1]
     reached = next(
         (c for c in found["curve"] if c.get(last) is not None and c[last] >= args.target), None

@@ -18,7 +18,6 @@ machine.
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 import tempfile
@@ -33,7 +32,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from common import provenance, relative, save_result  # noqa: E402
+from common import provenance, read_result, relative, save_result  # noqa: E402
 
 NAME = "lag_study"
 HERE = Path(__file__).resolve().parent
@@ -96,7 +95,7 @@ def run_one(arm: str, seed: int, arms: dict, args: argparse.Namespace, tmp: Path
     ]
     print(f"{time.strftime('%H:%M:%S')} start {name}", flush=True)
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
-    found = json.loads((tmp / f"{name}.json").read_text())
+    found = read_result(tmp / "steps" / f"{name}.json.gz")  # every point of the curve
     print(f"{time.strftime('%H:%M:%S')} done {name}", flush=True)
     return {"arm": arm, "seed": seed, **found}
 
