@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import signal
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -44,6 +45,29 @@ TINY = [
 def shm_files() -> set[str]:
     """The weight-sync shared-memory files present now."""
     return {p.name for p in Path("/dev/shm").glob("relayrl-sync-*")}
+
+
+def orphan_shm_files() -> list[str]:
+    """Weight-sync files whose creating process is gone: left behind. Files of runs still going
+    (another test process's, under pytest-xdist) are not orphans."""
+    return [name for name in shm_files() if not _creator_alive(name)]
+
+
+def left_shm_files(before: set[str], wait_s: float = 10.0) -> list[str]:
+    """The weight-sync files created since ``before`` that a finished run left behind: those whose
+    creator is gone once every new file is gone or its creator has exited (up to ``wait_s``; a
+    killed actor takes a moment to exit). Files of runs still going elsewhere are not counted."""
+    deadline = time.monotonic() + wait_s
+    while (new := shm_files() - before) and time.monotonic() < deadline:
+        if not any(_creator_alive(name) for name in new):
+            break
+        time.sleep(0.2)
+    return sorted(name for name in shm_files() - before if not _creator_alive(name))
+
+
+def _creator_alive(name: str) -> bool:
+    pid = name.removeprefix("relayrl-sync-").split("-", 1)[0]
+    return pid.isdigit() and Path(f"/proc/{pid}").exists()
 
 
 def text_batch(tokenizer, completions: list[str], answers: list[str], finished: list[bool]):

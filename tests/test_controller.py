@@ -6,7 +6,7 @@ import json
 
 import pytest
 from conftest import SMALL_LLM as SMALL
-from conftest import shm_files, tiny_config
+from conftest import left_shm_files, shm_files, tiny_config
 from safetensors.torch import load_file
 
 from relayrl.config import Config
@@ -27,7 +27,7 @@ def test_async_run_changes_parameters_and_records_bounded_lags(ray_session, tmp_
     cfg, summary = _run(
         tmp_path, "mode=async", "max_staleness=1", "log.eval_every=3", "log.report=true"
     )
-    assert shm_files() <= before, "the run left its shm weight-sync files behind"
+    assert left_shm_files(before) == [], "the run left its shm weight-sync files behind"
     assert summary["steps"] == 6 and summary["skipped_nonfinite"] == 0
     assert summary["eval"]["end"]["version"] == summary["updates"] >= 1
     assert summary["eval"]["end"]["n"] == 20

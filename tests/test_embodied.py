@@ -10,7 +10,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import IMAGINING, QUIET, check_books, interrupted_copy, shm_files, tiny_config
+from conftest import (
+    IMAGINING,
+    QUIET,
+    check_books,
+    interrupted_copy,
+    left_shm_files,
+    shm_files,
+    tiny_config,
+)
 from conftest import SMALL_EMBODIED as SMALL
 from safetensors.torch import load_file
 
@@ -63,7 +71,7 @@ def test_sync_lockstep_run_is_on_policy_and_moves_the_policy_and_value_heads(ray
     cfg = tiny_config(*SMALL, "mode=sync")
     before = shm_files()
     summary = train(cfg, tmp_path / "run")
-    assert shm_files() <= before, "the run left its shm weight-sync files behind"
+    assert left_shm_files(before) == [], "the run left its shm weight-sync files behind"
     assert summary["status"] == "finished" and summary["workload"] == "embodied"
     assert summary["steps"] == summary["updates"] == 3
     samples = check_books(summary)

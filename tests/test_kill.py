@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import SMALL_LLM as SMALL
-from conftest import TINY, shm_files
+from conftest import TINY, orphan_shm_files
 from safetensors.torch import load_file
 
 from relayrl.config import load_config
@@ -64,16 +64,6 @@ def _session_processes(sid: int) -> list[str]:
     return found
 
 
-def _orphan_shm_files() -> list[str]:
-    """Weight-sync files whose creating process is gone (other runs' live files are fine)."""
-    found = []
-    for name in shm_files():
-        pid = name.removeprefix("relayrl-sync-").split("-", 1)[0]
-        if not pid.isdigit() or not Path(f"/proc/{pid}").exists():
-            found.append(name)
-    return found
-
-
 def _wait_gone(sid: int, timeout_s: float = 60.0) -> list[str]:
     deadline = time.time() + timeout_s
     while (left := _session_processes(sid)) and time.time() < deadline:
@@ -113,7 +103,7 @@ def test_a_run_killed_three_times_resumes_to_the_uninterrupted_result(uninterrup
         last = _cli(*resume, stdout=log, stderr=subprocess.STDOUT)
         assert last.wait(timeout=300) == 0, (tmp_path / "last.log").read_text()
     assert _wait_gone(last.pid) == [], "the resumed run left processes behind"
-    assert _orphan_shm_files() == [], "shared-memory files of the killed runs are still there"
+    assert orphan_shm_files() == [], "shared-memory files of the killed runs are still there"
 
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["steps"] == 7
