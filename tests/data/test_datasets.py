@@ -6,6 +6,7 @@ import gzip
 import json
 import sys
 import types
+from pathlib import Path
 
 import pytest
 
@@ -22,7 +23,10 @@ from relayrl.data.datasets import (
     load_gsm8k,
     load_math500,
 )
+from relayrl.envs.dataset import DatasetTask, load_dataset_examples
 from relayrl.rewards.math import score
+
+REPO = Path(__file__).resolve().parents[2]
 
 ALLOWED = (
     "allowed: math500, gsm8k, hf:NAME[:CONFIG][@SPLIT] (a Hugging Face hub dataset), or a file "
@@ -61,6 +65,13 @@ def test_gsm8k_ships_with_the_package_reference_is_the_number_after_the_marker(f
         "gsm8k_test.jsonl.gz",
         "math500_test.jsonl.gz",
     ]
+
+
+def test_shipped_gsm8k_config_loads_1319_problems_and_holds_out_300(fresh_clone):
+    cfg = load_config(REPO / "configs" / "gsm8k.yaml")
+    examples = load_dataset_examples(cfg.task.data)
+    assert len(examples) == 1319
+    assert len(DatasetTask(examples, cfg.task.heldout_size).heldout()) == 300
 
 
 def test_relayrl_data_dir_points_the_benchmarks_at_another_copy(tmp_path, monkeypatch):
