@@ -67,14 +67,28 @@ def save_result(
 
 
 def dumps(result: dict) -> str:
-    """``result`` as indented JSON with each list of plain values (a curve's point, a row of
-    numbers) on one line, a fraction of the lines ``indent=2`` alone gives."""
+    """``result`` as indented JSON for a file in git: each list of plain values (a curve's point,
+    a row of numbers) on one line, and the fractional numbers inside lists (curves, traces) to 4
+    significant digits, or 4 decimals from 1 up; numbers outside lists are kept exact."""
 
     def one_line(match: re.Match) -> str:
         # A JSON string holds no raw newline, so only whitespace between values goes.
         return re.sub(r"\n\s*\]", "]", re.sub(r",\n\s*", ", ", re.sub(r"\[\n\s*", "[", match[0])))
 
-    return re.sub(r"\[[^\[\]{}]*\]", one_line, json.dumps(result, indent=2)) + "\n"
+    text = json.dumps(_short_in_lists(result), indent=2)
+    return re.sub(r"\[[^\[\]{}]*\]", one_line, text) + "\n"
+
+
+def _short_in_lists(value: Any, in_list: bool = False) -> Any:
+    if isinstance(value, list):
+        return [_short_in_lists(item, True) for item in value]
+    if isinstance(value, dict):
+        return {key: _short_in_lists(item, in_list) for key, item in value.items()}
+    if not in_list or not isinstance(value, float) or not math.isfinite(value):
+        return value
+    if value.is_integer():
+        return value
+    return round(value, 4) if abs(value) >= 1 else float(f"{value:.4g}")
 
 
 def shrink_png(path: Path) -> Path:

@@ -58,7 +58,7 @@ lag, seed, steps) already in it and warms up again from the same seed.
 It writes ``benchmarks/results/staleness.json`` and ``.png`` (accuracy against lag, one line per
 loss through the mean over seeds; the mean ESS against lag; the ESS per step at the largest lag)
 with the command line and the machine, and prints Markdown tables. The JSON is a summary (every
-run's numbers, its held-out curve, its ESS at about 100 steps, the early-warning table); the
+run's numbers, its held-out curve, its ESS at about 50 steps, the early-warning table); the
 per-step ESS, health and drift traces go to ``benchmarks/results/steps/staleness.json.gz``,
 outside git, which ``--from-json`` also reads. The partial file keeps a grid stopped part-way.
 The checkpoint and the run directories are temporary.
@@ -113,6 +113,7 @@ DEFAULT = (
 )
 LAGS = (0, 1, 4, 16, 64)
 SEEDS = (0, 1, 2)
+ESS_POINTS = 50  # of each run's ESS trace that staleness.json keeps
 HEALTH = ("kl_mu_pi", "log_ratio_p99", "log_ratio_max", "clip_frac", "grad_norm", "ess_lr_scale")
 # What each run logs per step of the learning and of the policy's drift from its sampler, beside
 # the loss's health: sampled accuracy, groups without signal, entropy and the sequence ESS.
@@ -216,13 +217,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def summarise(result: dict) -> dict:
-    """What ``staleness.json`` keeps: ``result`` with each run's ESS trace coarsened (4 digits) and
-    its health traces left out, and the early-warning table, which needs them, computed first. A
+    """What ``staleness.json`` keeps: ``result`` with each run's ESS trace coarsened and its
+    health traces left out, and the early-warning table, which needs them, computed first. A
     summary passes through unchanged."""
     warnings = result["early_warnings"] if "early_warnings" in result else early_warnings(result)
     runs = [
         {key: value for key, value in run.items() if key not in ("health", "drift")}
-        | {"ess": [[step, round(value, 4)] for step, value in coarse(run["ess"])]}
+        | {"ess": coarse(run["ess"], ESS_POINTS)}
         for run in result["runs"]
     ]
     return result | {"runs": runs, "early_warnings": warnings}

@@ -29,7 +29,9 @@ rliable computes them (Agarwal et al. 2021, arXiv:2108.13264).
 
 It writes ``experiments/results/acce_g4.json`` and ``.png`` (learning curves per env and the IQM
 per method, with the command line and machine) after every finished run, so a killed sweep keeps
-what finished, and prints a Markdown table for ``docs/benchmarks.md`` at the end.
+what finished, and prints a Markdown table for ``docs/benchmarks.md`` at the end. The finished
+JSON keeps each run's means of its per-update health traces; the traces go to
+``experiments/results/steps/acce_g4.json.gz``, outside git.
 """
 
 from __future__ import annotations
@@ -38,7 +40,6 @@ import argparse
 import copy
 import json
 import multiprocessing
-import shlex
 import sys
 import time
 from collections import deque
@@ -55,7 +56,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from common import git_state, machine, relative, save_result  # noqa: E402
+from common import provenance, relative, save_result, write_steps  # noqa: E402
 
 from relayrl.algorithms.advantages import gae  # noqa: E402
 from relayrl.algorithms.losses import LossFn, gipo_loss, ppo_clip_loss  # noqa: E402
@@ -71,6 +72,7 @@ REFERENCE = {
 }
 CLIP = 10.0  # bound on normalised observations and scaled rewards, as cleanRL's wrappers
 CURVE_WINDOW = 10  # training episodes the learning curve averages
+PER_UPDATE = ("clip_frac", "ess", "kl_mu_pi", "ess_start", "kl_mu_pi_start")  # traces, per update
 
 
 class RunningMeanStd:
@@ -538,10 +540,7 @@ def main(argv: list[str] | None = None) -> int:
     todo = tasks(args)
     result = {
         "benchmark": NAME,
-        "command": shlex.join(["python", *(relative(arg) for arg in sys.argv)]),
-        "date": time.strftime("%Y-%m-%d"),
-        "machine": machine(),
-        "git": git_state(),
+        **provenance(),
         "args": {k: relative(str(v)) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "reference": {env: list(REFERENCE[env]) for env in args.envs_list},
         "score": f"mean return of {args.eval_episodes} deterministic episodes of the final actor",
@@ -570,9 +569,20 @@ def main(argv: list[str] | None = None) -> int:
                 args.out.mkdir(parents=True, exist_ok=True)
                 (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=2) + "\n")
                 plot(result, args.out / f"{args.name}.png")
-    save_result(args.out, args.name, result, plot, table(result))
+    write_steps(args.out, args.name, result)
+    save_result(args.out, args.name, summarise(result), plot, table(result))
     print(f"wall clock {result['wall_clock_s']:.0f} s", file=sys.stderr)
     return 0
+
+
+def summarise(result: dict) -> dict:
+    """What the JSON in git keeps: ``result`` without each run's per-update health traces (their
+    means stay; the traces go to the steps dump)."""
+    runs = [
+        {key: value for key, value in run.items() if key not in PER_UPDATE}
+        for run in result["runs"]
+    ]
+    return result | {"runs": runs}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
