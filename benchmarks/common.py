@@ -67,28 +67,35 @@ def save_result(
 
 
 def dumps(result: dict) -> str:
-    """``result`` as indented JSON for a file in git: each list of plain values (a curve's point,
-    a row of numbers) on one line, and the fractional numbers inside lists (curves, traces) to 4
-    significant digits, or 4 decimals from 1 up; numbers outside lists are kept exact."""
+    """``result`` as indented JSON for a file in git: each list or dict of plain values (a curve's
+    point, a row of numbers, a record) on one line, and the numbers directly inside lists (curves,
+    traces) to 4 significant digits or more, as many as it takes for them to show the same to 0-4
+    decimals (so a table quoting them does not change); a dict's numbers are kept exact."""
 
     def one_line(match: re.Match) -> str:
         # A JSON string holds no raw newline, so only whitespace between values goes.
-        return re.sub(r"\n\s*\]", "]", re.sub(r",\n\s*", ", ", re.sub(r"\[\n\s*", "[", match[0])))
+        return re.sub(
+            r"\n\s*([\]}])",
+            r"\1",
+            re.sub(r"([\[{])\n\s*", r"\1", re.sub(r",\n\s*", ", ", match[0])),
+        )
 
     text = json.dumps(_short_in_lists(result), indent=2)
-    return re.sub(r"\[[^\[\]{}]*\]", one_line, text) + "\n"
+    return re.sub(r"\[[^\[\]{}]*\]|\{[^\[\]{}]*\}", one_line, text) + "\n"
 
 
 def _short_in_lists(value: Any, in_list: bool = False) -> Any:
     if isinstance(value, list):
         return [_short_in_lists(item, True) for item in value]
-    if isinstance(value, dict):
-        return {key: _short_in_lists(item, in_list) for key, item in value.items()}
+    if isinstance(value, dict):  # a record's own numbers stay exact, even in a list of records
+        return {key: _short_in_lists(item) for key, item in value.items()}
     if not in_list or not isinstance(value, float) or not math.isfinite(value):
         return value
-    if value.is_integer():
-        return value
-    return round(value, 4) if abs(value) >= 1 else float(f"{value:.4g}")
+    for digits in range(4, 17):  # the shortest that shows as ``value`` does to 0-4 decimals
+        short = float(f"{value:.{digits}g}")
+        if all(f"{short:.{places}f}" == f"{value:.{places}f}" for places in range(5)):
+            return short
+    return value
 
 
 def shrink_png(path: Path) -> Path:
