@@ -1,8 +1,9 @@
 """docs/benchmarks.md's rendered tables equal what benchmarks/render_tables.py makes of the result
-JSON, and the renderer reads the numbers it is given."""
+JSON, the renderer reads the numbers it is given, and result files keep what tables quote."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -45,3 +46,27 @@ def test_a_pool_without_counters_shows_dashes_and_a_rate_in_whole_pairs():
     rows = render_tables.math_scoring(result).splitlines()
     assert rows[2] == "| in the calling process (no sandbox) | 1953 | – | – |"
     assert rows[3] == "| `ScoringPool`, 1 worker | 10 | 3 | 1 |"
+
+
+def test_result_files_keep_records_exact_and_curves_as_they_show_to_four_decimals():
+    from common import dumps
+
+    half_way, curve = 0.49500000000000005, [0.123456789, 454.8499650042963, 1796145476.0384889]
+    result = {"runs": [{"mean": half_way}], "curve": [half_way, *curve, 7.0]}
+    text = dumps(result)
+    back = json.loads(text)
+    assert back["runs"][0]["mean"] == half_way  # a record's number: exact
+    assert back["curve"][1] == 0.1235  # 4 significant digits where that shows the same
+    for old, new in zip(result["curve"], back["curve"], strict=True):
+        assert all(f"{old:.{k}f}" == f"{new:.{k}f}" for k in range(5)), (old, new)
+    assert '"runs": [\n    {"mean": 0.49500000000000005}\n  ]' in text  # one line per record
+
+
+def test_a_coarse_curve_keeps_at_most_the_points_asked_with_its_first_and_last():
+    from common import coarse
+
+    curve = [[step, step / 400] for step in range(1, 401)]
+    kept = coarse(curve, 50)
+    assert len(kept) <= 50 and kept[0] == curve[0] and kept[-1] == curve[-1]
+    assert [step for step, _ in kept[:3]] == [1, 10, 19]  # every 9th: ceil(399 / 49)
+    assert coarse(curve[:30], 50) == curve[:30]
