@@ -113,12 +113,67 @@ def reward_model(result: dict) -> str:
     )
 
 
+def acce_g1(result: dict) -> str:
+    """G.1: per value-recomputation arm and seed, success, lag, env steps, time and the books."""
+    lines = [
+        "| value_recompute | seed | final held-out success | training success (last 10 steps) "
+        "| mean lag | trained env steps | RL wall clock (s) | books balance |",
+        _rule(8),
+    ]
+    for run in result["runs"]:
+        lines.append(
+            _row(
+                run["arm"],
+                run["seed"],
+                f"{run['final_success']:.3f}",
+                f"{run['rollout_success_last10']:.3f}",
+                f"{run['staleness_mean']:.2f}",
+                run["trained_env_steps"],
+                f"{run['rl_wall_clock_s']:.0f}",
+                run["accounted"],
+            )
+        )
+    return "\n".join(lines)
+
+
+def acce_g2(result: dict) -> str:
+    """G.2: per loss, forced lag and seed, success, the loss's clipped share and ESS, lag, env
+    steps, stale drops, time and the books."""
+    lines = [
+        "| loss | forced lag | seed | final held-out success | training success (last 10 steps) "
+        "| clipped / down-weighted | ESS | mean lag | trained env steps | stale drops "
+        "| RL wall clock (s) | books balance |",
+        _rule(12),
+    ]
+    for run in result["runs"]:
+        loss, _, lag = run["arm"].partition(" lag ")
+        lines.append(
+            _row(
+                loss,
+                lag,
+                run["seed"],
+                f"{run['final_success']:.3f}",
+                f"{run['rollout_success_last10']:.3f}",
+                f"{run['clip_frac_mean']:.3f}",
+                f"{run['ess_mean']:.3f}",
+                f"{run['staleness_mean']:.2f}",
+                run["trained_env_steps"],
+                run["dropped_stale"],
+                f"{run['rl_wall_clock_s']:.0f}",
+                run["accounted"],
+            )
+        )
+    return "\n".join(lines)
+
+
 # name: (result file, renderer)
 TABLES: dict[str, tuple[str, Callable[[dict], str]]] = {
     "tracing_overhead": ("benchmarks/results/tracing_overhead.json", tracing_overhead),
     "math_scoring": ("benchmarks/results/math_scoring.json", math_scoring),
     "ppo_vs_grpo": ("experiments/results/ppo_vs_grpo.json", ppo_vs_grpo),
     "reward_model": ("experiments/results/reward_model.json", reward_model),
+    "acce_g1": ("experiments/results/acce_ablations_g1.json", acce_g1),
+    "acce_g2": ("experiments/results/acce_ablations_g2.json", acce_g2),
 }
 
 
