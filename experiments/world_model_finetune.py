@@ -40,7 +40,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from common import provenance, relative, save_result  # noqa: E402
+from common import provenance, relative, save_result, shrink_png  # noqa: E402
 
 from relayrl.config import load_config  # noqa: E402
 from relayrl.data.trajectories import Episode  # noqa: E402
@@ -247,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     frames_path = args.out / f"{name}_frames.png"
     args.out.mkdir(parents=True, exist_ok=True)
     _save_strip(frames_path, real_strip(starts), before, after)
+    shrink_png(frames_path)
     result = {
         "benchmark": NAME,
         **provenance(),
