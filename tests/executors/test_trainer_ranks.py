@@ -160,20 +160,37 @@ def test_two_llm_ranks_warm_start_and_step_as_one_trainer(ray_session, tmp_path)
 
 
 @pytest.mark.parametrize(
-    ("option", "statistic"),
+    ("options", "statistic"),
     [
-        ("trainer.loss=m2po", "loss/clip_frac"),
-        ("trainer.loss=ess_aipo", "loss/ess_scale"),
-        ("trainer.ess_lr=true", "loss/ess_lr_scale"),
+        (["trainer.loss=m2po"], "loss/clip_frac"),
+        (["trainer.loss=ess_aipo"], "loss/ess_scale"),
+        (["trainer.ess_lr=true"], "loss/ess_lr_scale"),
+        # verl's [0.5, 2] and SkyRL's [0.99, 1.01] would reject every sequence of these random
+        # behaviour log-probs (log W from -8 to -0.5 against the tiny model)
+        (["trainer.loss=mis_seq_verl", "trainer.seq_mis_lower=0.05"], "loss/kept_share"),
+        (
+            ["trainer.loss=geo_mask", "trainer.geo_mask_low=0.5", "trainer.geo_mask_high=2"],
+            "loss/kept_share",
+        ),
+        # VCPO's recipe, over two minibatches: groups 0-2 (group 1 skipped) and 3-4, one group
+        # of each on each rank
+        (
+            ["trainer.loss=tis_seq", "trainer.seq_is_cap=8", "trainer.ess_lr=true"]
+            + ["trainer.advantage=vcpo_baseline", "trainer.minibatches=2"]
+            + ["generator.prompts_per_step=5"],
+            "loss/ess_lr_scale",
+        ),
     ],
+    ids=["m2po", "ess_aipo", "ess_lr", "mis_seq_verl", "geo_mask", "vcpo"],
 )
 def test_losses_with_a_batch_statistic_take_it_over_every_rank(
-    ray_session, tmp_path, option, statistic
+    ray_session, tmp_path, options, statistic
 ):
-    """M2PO's cutoff, the ESS of ess_aipo and ess_lr's scale are statistics of the whole batch:
-    each rank's own would give another step. Group 1 carries no signal; m2po and ess_aipo still
-    count it (they do not skip it)."""
-    cfg = tiny_config(option, "trainer.lr=0.01")
+    """M2PO's cutoff, the ESS of ess_aipo and ess_lr's scale, and the kept share of mis_seq_verl
+    and geo_mask are statistics of the whole batch: each rank's own would give another step.
+    Group 1 carries no signal; the losses with a batch statistic still count it (they do not
+    skip it). VCPO's recipe adds its baseline, a statistic of each group, whole on its rank."""
+    cfg = tiny_config(*options, "trainer.lr=0.01")
     one = Trainer(cfg)
     batches = [rollouts([step] * 5, seed=10 + step, zero_signal=1) for step in range(2)]
     with trainer_group(Trainer, cfg) as ranks:
@@ -183,6 +200,62 @@ def test_losses_with_a_batch_statistic_take_it_over_every_rank(
             # the statistic is at work: tokens masked, or the step scaled down
             assert 0 < reference.metrics[statistic] < 1, reference.metrics
             assert_merged_books(results, reference)
+        on_all(ranks, "save_pretrained", str(tmp_path / "two"))
+    one.save_pretrained(str(tmp_path / "one"))
+    assert_same_weights(tmp_path / "two", tmp_path / "one", "model.safetensors")
+
+
+def micro_batch_loss(trainer: Trainer, batch: RolloutBatch, blocks: list[slice]) -> torch.Tensor:
+    """``trainer``'s loss taken alone on each block of groups (a micro-batch), weighted by the
+    block's share of the tokens as a rank weighs its own, summed: the loss whose step ranks
+    holding those blocks take together."""
+    logp = trainer._logprobs(batch)
+    mu = torch.from_numpy(batch.logprobs[:, 1:])
+    mask = torch.from_numpy(batch.completion_mask[:, 1:])
+    advantages = trainer.advantage_fn(torch.from_numpy(batch.rewards), batch.group_size)
+    advantages = advantages[:, None].expand_as(logp)
+    loss = logp.new_zeros(())
+    for block in blocks:
+        rows = slice(block.start * batch.group_size, block.stop * batch.group_size)
+        part, _ = trainer.loss_fn(
+            logp[rows], mu[rows], advantages[rows], mask[rows], **trainer.loss_kwargs
+        )
+        loss = loss + part * (mask[rows].sum() / mask.sum())
+    return loss
+
+
+def near_policy(trainer: Trainer, batch: RolloutBatch, seed: int) -> RolloutBatch:
+    """``batch`` with behaviour log-probs the trainer's own plus N(0, 0.3^2) noise per token:
+    (log pi / mu)^2 near the released M2PO's budget of 0.04, where its clip width depends on
+    which tokens it sees (far from it, every harmful token is clipped at width 0)."""
+    logp = trainer._logprobs(batch, grad=False).numpy()
+    noise = np.random.default_rng(seed).normal(0.0, 0.3, logp.shape)
+    valid = batch.completion_mask[:, 1:]
+    batch.logprobs[:, 1:] = np.where(valid, logp + noise, 0.0).astype(np.float32)
+    return batch
+
+
+def test_m2po_release_on_two_ranks_takes_the_step_of_their_micro_batches(ray_session, tmp_path):
+    """The released M2PO's clip is set per micro-batch and never gathered: two ranks take the
+    step of one process whose loss is taken on each rank's block alone, not the whole batch's."""
+    cfg = tiny_config("trainer.loss=m2po_release", "trainer.lr=0.01")
+    one = Trainer(cfg)
+    batches = [rollouts([step] * 5, seed=40 + step) for step in range(2)]
+    blocks = [share(5, rank, 2) for rank in range(2)]  # groups 0-2 on rank 0, 3-4 on rank 1
+    with trainer_group(Trainer, cfg) as ranks:
+        for step, batch in enumerate(batches):
+            batch = near_policy(one, batch, seed=step)
+            merged = StepResult.merge(on_all(ranks, "train_step", ray.put(batch)))
+            assert merged.stepped
+            # each rank clipped with its own width: the harmful tokens' M2 is over the budget
+            assert 0 < merged.metrics["loss/clip_frac"] < 1
+            loss = micro_batch_loss(one, batch, blocks)
+            assert merged.metrics["loss/value"] == pytest.approx(loss.item(), abs=1e-6)
+            # one call over the whole batch clips with another width: another loss and step
+            whole = micro_batch_loss(one, batch, [slice(0, 5)]).item()
+            assert abs(whole - loss.item()) > 1e-4
+            assert one.apply_gradients(loss)[1]
+            one.bump_version()
         on_all(ranks, "save_pretrained", str(tmp_path / "two"))
     one.save_pretrained(str(tmp_path / "one"))
     assert_same_weights(tmp_path / "two", tmp_path / "one", "model.safetensors")
