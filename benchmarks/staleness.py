@@ -546,10 +546,10 @@ def markdown_tables(result: dict) -> str:
 
     def accuracy(cell_runs: list[dict]) -> str:
         values = [100 * r["final_accuracy"] for r in cell_runs]
-        spread = f" ({min(values):.1f}-{max(values):.1f})" if len(values) > 1 else ""
-        fell = [r["collapse_step"] for r in cell_runs if r["collapse_step"] is not None]
-        collapsed = f", collapsed at {', '.join(map(str, fell))}" if fell else ""
-        return f"{mean(values):.1f}{spread}{collapsed}"
+        notes = [f"{min(values):.1f}-{max(values):.1f}"] if len(values) > 1 else []
+        fell = [str(r["collapse_step"]) for r in cell_runs if r["collapse_step"] is not None]
+        notes += [f"collapsed at {', '.join(fell)}"] if fell else []
+        return f"{mean(values):.1f}" + (f" ({'; '.join(notes)})" if notes else "")
 
     def ess(cell_runs: list[dict]) -> str:
         values = [r["ess_mean_at_lag"] for r in cell_runs if r["ess_mean_at_lag"] is not None]
