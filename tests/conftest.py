@@ -70,6 +70,21 @@ def _creator_alive(name: str) -> bool:
     return pid.isdigit() and Path(f"/proc/{pid}").exists()
 
 
+TOL = {"atol": 1e-5, "rtol": 0.0}  # hand-derived loss numbers are worked to 5 decimals
+
+
+def close(actual, expected) -> None:
+    """Assert that ``actual`` equals the hand-derived ``expected`` to TOL (as float32)."""
+    torch.testing.assert_close(
+        torch.as_tensor(actual, dtype=torch.float32), torch.tensor(expected), **TOL
+    )
+
+
+def leaf(values: list[list[float]]) -> torch.Tensor:
+    """A leaf tensor of ``values`` whose gradient a test reads."""
+    return torch.tensor(values, requires_grad=True)
+
+
 def text_batch(tokenizer, completions: list[str], answers: list[str], finished: list[bool]):
     """One group: prompt "1+2=" then each completion, with EOS where it ``finished``, decoded as
     the generator decodes."""

@@ -2,18 +2,9 @@ import math
 
 import pytest
 import torch
+from conftest import close, leaf
 
 from relayrl.algorithms.losses import LOSSES, METRIC_KEYS, gipo_loss, ppo_clip_loss
-
-TOL = {"atol": 1e-5, "rtol": 0.0}
-
-
-def close(actual, expected) -> None:
-    torch.testing.assert_close(torch.as_tensor(actual), torch.tensor(expected), **TOL)
-
-
-def leaf(values: list[list[float]]) -> torch.Tensor:
-    return torch.tensor(values, requires_grad=True)
 
 
 def test_gipo_value_metrics_and_gradient_by_hand():

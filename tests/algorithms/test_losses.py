@@ -1,5 +1,6 @@
 import pytest
 import torch
+from conftest import close, leaf
 
 from relayrl.algorithms.losses import (
     LOSSES,
@@ -9,16 +10,6 @@ from relayrl.algorithms.losses import (
     masked_mean,
     ppo_clip_loss,
 )
-
-TOL = {"atol": 1e-5, "rtol": 0.0}
-
-
-def close(actual, expected) -> None:
-    torch.testing.assert_close(torch.as_tensor(actual), torch.tensor(expected), **TOL)
-
-
-def leaf(values: list[list[float]]) -> torch.Tensor:
-    return torch.tensor(values, requires_grad=True)
 
 
 def aipo_batch(mask_dtype: torch.dtype = torch.bool):

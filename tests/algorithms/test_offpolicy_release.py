@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from conftest import close, leaf
 
 from relayrl import parallel
 from relayrl.algorithms.losses import (
@@ -28,18 +29,7 @@ from relayrl.algorithms.losses import (
 )
 from relayrl.config import ConfigError, load_config
 
-TOL = {"atol": 1e-5, "rtol": 0.0}
 NAN, INF = float("nan"), float("inf")
-
-
-def close(actual, expected) -> None:
-    torch.testing.assert_close(
-        torch.as_tensor(actual, dtype=torch.float32), torch.tensor(expected), **TOL
-    )
-
-
-def leaf(values: list[list[float]]) -> torch.Tensor:
-    return torch.tensor(values, requires_grad=True)
 
 
 # Each case: a loss and a batch in which no token carries a gradient (log-ratios given, mu = 0).

@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from conftest import close, leaf
 
 from relayrl.algorithms.losses import (
     BATCH_STATISTICS,
@@ -26,18 +27,7 @@ from relayrl.algorithms.losses import (
 )
 from relayrl.config import ConfigError, TrainerConfig, load_config
 
-TOL = {"atol": 1e-5, "rtol": 0.0}
 NAN, INF = float("nan"), float("inf")
-
-
-def close(actual, expected) -> None:
-    torch.testing.assert_close(
-        torch.as_tensor(actual, dtype=torch.float32), torch.tensor(expected), **TOL
-    )
-
-
-def leaf(values: list[list[float]]) -> torch.Tensor:
-    return torch.tensor(values, requires_grad=True)
 
 
 def three_sequences():
