@@ -132,12 +132,28 @@ class ModelConfig(_Section):
 class TaskConfig(_Section):
     """Where prompts and reference answers come from, with a fixed held-out split."""
 
-    name: Literal["addition", "dataset"] = Field(
-        "addition", description="addition: synthetic sums; dataset: prompts from task.data."
+    name: Literal["addition", "chain_sum", "dataset"] = Field(
+        "addition",
+        description="addition: synthetic sums of two operands; chain_sum: sums of a "
+        "heavy-tailed number of terms, answered with running sums (long-tailed completion "
+        "lengths); dataset: prompts from task.data.",
     )
-    digits: int = Field(3, ge=1, le=6, description="addition: operands are below 10**digits.")
+    digits: int = Field(
+        3, ge=1, le=6, description="addition, chain_sum: operands are below 10**digits."
+    )
     reverse_answer: bool = Field(
-        True, description="addition: write the sum least-significant digit first (easier)."
+        True,
+        description="addition, chain_sum: write each sum least-significant digit first (easier).",
+    )
+    terms_max: int = Field(
+        32, ge=2, le=256, description="chain_sum: most terms in one problem (at least 2)."
+    )
+    tail: float = Field(
+        1.3,
+        gt=0,
+        le=10,
+        description="chain_sum: the term count k is drawn with probability proportional to "
+        "k**-tail; smaller means a heavier tail of long problems.",
     )
     heldout_size: int = Field(1000, ge=1, description="Problems in the held-out evaluation split.")
     data: str | None = Field(
@@ -1367,6 +1383,10 @@ SETTINGS: dict[str, tuple[str, Callable[[Config], bool]]] = {
     **{
         f"task.{name}": ("task.name=dataset", lambda cfg: cfg.task.name == "dataset")
         for name in ("data", "prompt_field", "answer_field", "template")
+    },
+    **{
+        f"task.{name}": ("task.name=chain_sum", lambda cfg: cfg.task.name == "chain_sum")
+        for name in ("terms_max", "tail")
     },
     **{
         f"rewarder.{name}": (

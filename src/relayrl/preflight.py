@@ -17,7 +17,8 @@ from transformers import PreTrainedTokenizerBase
 
 from relayrl.config import Config, TaskConfig
 from relayrl.data.datasets import DATASETS, Example, RowError
-from relayrl.envs.arithmetic import AdditionTask, Problem
+from relayrl.envs import build_task
+from relayrl.envs.arithmetic import Problem
 from relayrl.envs.dataset import DatasetTask, load_dataset_examples
 from relayrl.models.lm import load_codec, load_tokenizer
 
@@ -60,10 +61,11 @@ def check(cfg: Config) -> None:
 
 
 def _problems(tc: TaskConfig) -> list[Problem]:
-    """Every problem of a dataset task, or a sample of the addition task's."""
+    """Every problem of a dataset task, or a sample of a synthetic task's (addition,
+    chain_sum)."""
     try:
-        if tc.name == "addition":
-            task = AdditionTask(tc.digits, tc.reverse_answer, tc.heldout_size)
+        if tc.name != "dataset":
+            task = build_task(tc)
             return task.heldout()[:ADDITION_SAMPLE] + task.sample(ADDITION_SAMPLE, random.Random(0))
         examples = _examples(tc)
         DatasetTask(examples, tc.heldout_size)  # refuses a held-out split that leaves nothing
