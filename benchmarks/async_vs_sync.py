@@ -259,7 +259,7 @@ def plot(result: dict, path: Path) -> Path:
 
     fig.suptitle(f"relayrl async vs sync ({result['settings']['steps']} steps)", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
 

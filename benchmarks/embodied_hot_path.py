@@ -331,7 +331,7 @@ def plot(result: dict, path: Path) -> Path:
     right.legend(fontsize=7)
     fig.suptitle(result["command"], fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
 

@@ -16,14 +16,16 @@ window's verdict on fresh episodes.
 
 Reported side by side: time to target and its ratio (pipeline / reference), env steps per second
 (pipeline: trained, over the RL window; reference: all) and their ratio, the pipeline's trainer
-busy fraction, and the env steps each needed; the pipeline's per-step series (time, env steps
-trained, train seconds, stage, window success) are kept in the JSON. Ray's workers run at nice 0
-like the reference (``RAY_worker_niceness``).
+busy fraction, and the env steps each needed; the pipeline's per-step series (step, time, env
+steps trained, train seconds, stage, window success) is kept in the JSON. Ray's workers run at
+nice 0 like the reference (``RAY_worker_niceness``).
 
     python benchmarks/embodied_race.py
     python benchmarks/embodied_race.py --target 0.8 --steps 300 rollout.workers=2
 
-It writes ``benchmarks/results/embodied_race.json`` and ``.png`` and prints a Markdown table.
+It writes ``benchmarks/results/embodied_race.json`` and ``.png`` and prints a Markdown table; the
+JSON keeps at most 200 evenly spaced points of each success curve and 100 of the series, and every
+point goes to ``steps/embodied_race.json.gz`` under ``--out`` (not in git).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from babyai_reference import WINDOW  # noqa: E402  (episodes both runs judge success over)
-from common import provenance, read_result, relative, save_result  # noqa: E402
+from common import coarse, provenance, read_result, relative, save_result, write_steps  # noqa: E402
 
 from relayrl.config import load_config  # noqa: E402
 from relayrl.job import train  # noqa: E402
@@ -54,6 +56,7 @@ REPO = Path(__file__).resolve().parents[1]
 NAME = "embodied_race"
 WORKER_NICENESS = "RAY_worker_niceness"  # Ray's own spelling
 STAGES = ["BabyAI-GoToLocalS5N2-v0", "BabyAI-GoToLocalS6N3-v0", "BabyAI-GoToLocalS7N4-v0"]
+CURVE_POINTS, SERIES_POINTS = 200, 100  # of each per-step curve and series the JSON keeps
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,8 +87,22 @@ def main(argv: list[str] | None = None) -> int:
         "rl_time_to_target": _ratio(pipe["rl_time_to_target_s"], ref["time_to_target_s"]),
         "env_steps_per_s": pipe["env_steps_per_s"] / ref["env_steps_per_s"],
     }
-    save_result(args.out, NAME, result, plot, markdown_table(result))
+    write_steps(args.out, NAME, result)
+    save_result(args.out, NAME, summary(result), plot, markdown_table(result))
     return 0
+
+
+def summary(result: dict) -> dict:
+    """What ``embodied_race.json`` keeps: ``result`` with its curves and series coarsened."""
+    ref, pipe = result["reference"], result["pipeline"]
+    return result | {
+        "reference": ref | {"curve": coarse(ref["curve"], CURVE_POINTS)},
+        "pipeline": pipe
+        | {
+            "curve": coarse(pipe["curve"], CURVE_POINTS),
+            "series": coarse(pipe["series"], SERIES_POINTS),
+        },
+    }
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -192,6 +209,7 @@ def run_pipeline(args: argparse.Namespace, tmp: Path) -> dict:
         "eval_curve": [(t - start, n, success) for t, n, success in evals],
         "series": [
             {
+                "step": r["step"],
                 "t": r["time"] - start,
                 "env_steps": r["samples/trained_total"],
                 "train_s": r["perf/train_s"],
@@ -230,7 +248,7 @@ def plot(result: dict, path: Path) -> Path:
     left.legend(fontsize=8)
     fig.suptitle(result["command"], fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
 

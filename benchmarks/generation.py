@@ -307,7 +307,7 @@ def plot(result: dict, path: Path) -> Path:
     for ax, part in zip(axes[0], panels, strict=True):
         (_throughput_panel if part == "throughput" else _training_panel)(ax, result)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
 

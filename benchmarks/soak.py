@@ -21,8 +21,10 @@ from the repository root::
     python benchmarks/soak.py                       # 15 minutes each, ~31 minutes
     python benchmarks/soak.py --minutes 4 --workloads llm
 
-It writes ``benchmarks/results/soak.json`` and ``soak.png``; the run directories and their logs
-go to ``runs/soak/``.
+It writes ``benchmarks/results/soak.json`` and ``soak.png``: the JSON keeps at most 60 evenly
+spaced RSS samples per run (the peaks and trends are of all of them), and every sample goes to
+``steps/soak.json.gz`` under ``--out`` (not in git). The run directories and their logs go to
+``runs/soak/``.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPO, git_state, machine, save_result  # noqa: E402
+from common import REPO, coarse, git_state, machine, save_result, write_steps  # noqa: E402
 
 RUNS = {
     "llm": ("configs/arith.yaml", ["generator.replicas=2", "rewarder.replicas=2"]),
@@ -61,6 +63,7 @@ ROLES = (
     "RolloutWorker",
     "ReplayBuffer",
 )
+RSS_POINTS = 60  # of each run's RSS samples (one per 5 s) that soak.json keeps
 
 
 def session_processes(sid: int) -> dict[int, str]:
@@ -248,7 +251,7 @@ def plot(result: dict, path: Path) -> Path:
         ax.set_ylabel("MB")
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
 
@@ -297,7 +300,9 @@ def main() -> None:
         "git": git_state(),
         "runs": runs,
     }
-    save_result(args.out, "soak", result, plot, table(result))
+    write_steps(args.out, "soak", result)
+    summary = result | {"runs": [run | {"rss": coarse(run["rss"], RSS_POINTS)} for run in runs]}
+    save_result(args.out, "soak", summary, plot, table(summary))
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import git_state, machine, relative  # noqa: E402
+from common import git_state, machine, relative, shrink_png  # noqa: E402
 
 from relayrl.observability.tracing import Tracer  # noqa: E402
 
@@ -115,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     ax.set_yscale("log")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(args.out / "tracing_overhead.png", dpi=100)
+    fig.savefig(args.out / "tracing_overhead.png", dpi=90)
+    shrink_png(args.out / "tracing_overhead.png")
     print(f"span {span_s * 1e6:.2f} us, wait {wait_s * 1e6:.2f} us")
     print(
         "| mode | step time (s) | spans/step | waits/step | overhead/step (us) | % of step "

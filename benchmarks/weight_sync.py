@@ -430,7 +430,7 @@ def plot(result: dict, path: Path) -> Path:
     right.legend(fontsize=7)
     fig.suptitle(f"weight sync — {result['machine']['platform']}", fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
 

@@ -419,7 +419,7 @@ def plot(result: dict, path: Path) -> Path:
     right.grid(True, alpha=0.3)
     fig.suptitle(result["command"], fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
 

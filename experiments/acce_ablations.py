@@ -298,7 +298,7 @@ def g1_plot(result: dict, raw: list, path: Path) -> Path:
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
 
@@ -358,7 +358,7 @@ def g2_plot(result: dict, raw: list, path: Path) -> Path:
     axes[0][0].legend(fontsize=8)
     fig.suptitle("G.2: GIPO(0.2, 1.0) against PPO-clip, --preset acce, forced lag", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
 
@@ -609,7 +609,7 @@ def g3_plot(result: dict, raw: list, path: Path) -> Path:
         fontsize=10,
     )
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
 

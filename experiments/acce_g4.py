@@ -487,7 +487,7 @@ def plot(result: dict, out_png: Path) -> Path:
     )
     fig.suptitle(result["command"], fontsize=7)
     fig.tight_layout()
-    fig.savefig(out_png, dpi=110)
+    fig.savefig(out_png, dpi=90)
     plt.close(fig)
     return out_png
 

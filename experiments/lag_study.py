@@ -121,7 +121,7 @@ def plot(result: dict, out_png: Path) -> Path:
     ax.set_title(result["command"], fontsize=7)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out_png, dpi=110)
+    fig.savefig(out_png, dpi=90)
     plt.close(fig)
     return out_png
 

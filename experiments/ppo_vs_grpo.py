@@ -139,7 +139,7 @@ def plot(result: dict, path: Path) -> Path:
     m = result["machine"]
     fig.suptitle(f"relayrl PPO vs GRPO: {m['cpu_count']} CPUs, torch {m['torch']}", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
 

@@ -215,7 +215,7 @@ def plot(result: dict, path: Path) -> Path:
     ax.set_title(f"behaviour cloning, {result['settings']['level']}", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
 

@@ -317,7 +317,7 @@ def plot(result: dict, path: Path) -> Path:
     twin.legend(loc="lower right", fontsize=8)
     fig.suptitle(f"{result['level']}, view={result['view']}, {result['image_size']} px")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
 

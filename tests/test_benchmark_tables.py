@@ -70,3 +70,25 @@ def test_a_coarse_curve_keeps_at_most_the_points_asked_with_its_first_and_last()
     assert len(kept) <= 50 and kept[0] == curve[0] and kept[-1] == curve[-1]
     assert [step for step, _ in kept[:3]] == [1, 10, 19]  # every 9th: ceil(399 / 49)
     assert coarse(curve[:30], 50) == curve[:30]
+
+
+def test_a_shrunk_png_keeps_the_few_pixels_of_each_saturated_colour(tmp_path):
+    import numpy as np
+    from common import shrink_png
+    from PIL import Image
+
+    pixels = np.full((120, 200, 3), 255, np.uint8)
+    for i in range(100):  # a hundred greys, as antialiased lines or a frame's floor give
+        pixels[:, 2 * i : 2 * i + 2] = 40 + 2 * i
+    marks = {(10, 10): (220, 40, 40), (30, 30): (40, 160, 40), (50, 50): (50, 50, 230)}
+    for (row, col), colour in marks.items():  # an agent, a box, a key: 3 x 3 pixels each
+        pixels[row : row + 3, col : col + 3] = colour
+    path = tmp_path / "plot.png"
+    Image.fromarray(pixels).save(path)
+
+    with Image.open(shrink_png(path)) as shrunk:
+        assert shrunk.mode == "P" and len(shrunk.getcolors()) <= 32
+        rgb = shrunk.convert("RGB")
+        for (row, col), colour in marks.items():
+            kept = rgb.getpixel((col + 1, row + 1))
+            assert all(abs(a - b) <= 16 for a, b in zip(kept, colour, strict=True)), (colour, kept)
