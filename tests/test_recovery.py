@@ -66,28 +66,6 @@ def test_killed_generators_and_rewarders_are_replaced_and_the_books_balance(
     assert summary["staleness"]["max"] <= cfg.max_staleness
 
 
-def test_an_interrupted_embodied_run_books_the_env_steps_its_workers_played(
-    ray_session, tmp_path, monkeypatch
-):
-    """Ctrl-C (or SIGTERM) stops a run after the step in progress: summary.json's books come from
-    the rollout workers, where an embodied run counts generation, and balance."""
-
-    class Stopping(MetricsLog):
-        def log(self, step: int, metrics: dict) -> None:
-            super().log(step, metrics)
-            if step == 2:
-                Checkpointer.request_stop()
-
-    monkeypatch.setattr(job, "MetricsLog", Stopping)
-    cfg = tiny_config(*EMBODIED, "mode=async", "steps=30")
-    with pytest.raises(KeyboardInterrupt):
-        job.train(cfg, tmp_path / "run")
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert summary["status"] == "interrupted" and summary["steps"] == 2
-    samples = check_books(summary)
-    assert samples["trained"] > 0 and "counted_by" not in samples
-
-
 def test_a_dead_world_model_trainer_fails_the_run_which_resumes(ray_session, tmp_path, monkeypatch):
     """The world-model trainer is not replaced (its B_wm and rounds would be lost): its death
     fails the run, naming it, and the run resumes from its last checkpoint with both books."""
@@ -128,22 +106,32 @@ def test_a_dead_world_model_replica_fails_the_run_instead_of_restarting_workers_
     assert summary["status"] == "failed" and summary["failed_executor"] == "world_model_service"
 
 
-def test_a_dead_trainer_rank_fails_the_run_and_names_it(ray_session, tmp_path, monkeypatch):
+def test_a_dead_trainer_rank_fails_the_run_which_resumes_keeping_the_books_and_staleness_bound(
+    ray_session, tmp_path, monkeypatch
+):
+    """A trainer rank is not replaced: its death fails the run, naming it, and the async run
+    resumes from its last checkpoint with its books and the staleness bound."""
     monkeypatch.setitem(job.WORKLOADS, "llm", Kept)
-    cfg = tiny_config(*SMALL, "mode=async", "steps=20", "run.checkpoint_every=2")
+    cfg = tiny_config(*SMALL, "mode=async", "steps=7", "max_staleness=1", "run.checkpoint_every=3")
     run_dir = tmp_path / "run"
-    todo = _kill_at(monkeypatch, [(3, "trainer", 0, "os.kill")])
+    todo = _kill_at(monkeypatch, [(4, "trainer", 0, "os.kill")])
     with pytest.raises(ExecutorFailed, match="trainer died"):
         job.train(cfg, run_dir)
     assert todo == []
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["failed_executor"] == "trainer"
     assert summary["resume"] == f"relayrl train --resume {run_dir}"
+    monkeypatch.undo()
+    resumed = job.train(cfg, run_dir, resume=True)
+    samples = resumed["samples"]
+    assert samples["accounted"]
+    assert resumed["steps"] == 7 and resumed["resumes"][0]["step"] == 3
+    assert resumed["resumes"][0]["dropped_resume"] == samples["dropped_resume"]
+    assert resumed["staleness"]["max"] <= 1
 
 
-@pytest.mark.parametrize(
-    ("mode", "transport"), [("async", "ray"), ("async", "socket"), ("sync", "ray")]
-)
+# A covering set of loop and transport: async with the socket, sync with Ray.
+@pytest.mark.parametrize(("mode", "transport"), [("async", "socket"), ("sync", "ray")])
 def test_killed_inference_replicas_and_rollout_workers_are_replaced_and_the_books_balance(
     ray_session, tmp_path, monkeypatch, mode, transport
 ):
@@ -212,17 +200,40 @@ class Reloaded(KeptEmbodied):
 def test_checkpoints_and_resumes_tell_the_replicas_the_books_they_load_the_workers_with(
     ray_session, tmp_path, monkeypatch
 ):
-    # A reload drops a worker's open segment from its books; its replica heard the old count (a
-    # fresh one heard nothing) and would count those steps if it died before its next request.
+    """A reload drops a worker's open segment from its books; its replica heard the old count (a
+    fresh one heard nothing) and would count those steps if it died before its next request.
+    The run is stopped as by Ctrl-C (or SIGTERM) after step 2: summary.json's books come from
+    the rollout workers, where an embodied run counts generation, and balance; its async
+    resume keeps the books and the staleness bound."""
+
+    class Stopping(MetricsLog):
+        def log(self, step: int, metrics: dict) -> None:
+            super().log(step, metrics)
+            if step == 2:
+                Checkpointer.request_stop()
+
     monkeypatch.setitem(job.WORKLOADS, "embodied", Reloaded)
+    monkeypatch.setattr(job, "MetricsLog", Stopping)
     REPORTS.clear()
-    run = ("mode=async", "run.checkpoint_every=1")
-    job.train(tiny_config(*EMBODIED, *run, "steps=2"), tmp_path / "run")
-    job.train(tiny_config(*EMBODIED, *run, "steps=3"), tmp_path / "run", resume=True)
-    # After step 1; the resume from it (a run's last step is not checkpointed); after step 2.
-    assert len(REPORTS) == 3
+    run = ("mode=async", "max_staleness=1", "run.checkpoint_every=1")
+    with pytest.raises(KeyboardInterrupt):
+        job.train(tiny_config(*EMBODIED, *run, "steps=30"), tmp_path / "run")
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["steps"] == 2
+    samples = check_books(summary)
+    assert samples["trained"] > 0 and "counted_by" not in samples
+    monkeypatch.setattr(job, "MetricsLog", MetricsLog)
+    resumed = job.train(tiny_config(*EMBODIED, *run, "steps=4"), tmp_path / "run", resume=True)
+    # After step 1; after step 2 (the stop's); the resume from it; after step 3 (a run's last
+    # step is not checkpointed).
+    assert len(REPORTS) == 4
     for workers in REPORTS:
         assert [told for told, _ in workers] == [env_steps for _, env_steps in workers]
+    # An async resume keeps the books and the staleness bound.
+    samples = check_books(resumed)
+    assert resumed["steps"] == 4 and resumed["resumes"][0]["step"] == 2
+    assert resumed["resumes"][0]["dropped_resume"] == samples["dropped_resume"]
+    assert resumed["staleness"]["max"] <= 1
 
 
 class Doomed:
