@@ -146,7 +146,7 @@ def test_a_generator_that_misses_the_sync_timeout_is_replaced_and_serves_the_new
     cfg = tiny_config(
         *SMALL,
         f"mode={mode}",
-        "steps=30",
+        "steps=8",
         "max_staleness=1",
         "generator.replicas=2",
         f"sync.timeout_s={TIMEOUT_S}",
@@ -183,7 +183,7 @@ def test_an_inference_replica_that_misses_the_sync_timeout_is_replaced_and_serve
     ray_session, tmp_path, monkeypatch
 ):
     monkeypatch.setitem(job.WORKLOADS, "embodied", KeptEmbodied)
-    cfg = tiny_config(*EMBODIED, "mode=async", "steps=12", f"sync.timeout_s={TIMEOUT_S}")
+    cfg = tiny_config(*EMBODIED, "mode=async", "steps=6", f"sync.timeout_s={TIMEOUT_S}")
     todo = _stall_at(monkeypatch, 1, "inference_service", 0, _hold_weights)
     summary = job.train(cfg, tmp_path / "run")
     assert todo == []
