@@ -294,6 +294,7 @@ HOSTILE = {
     "10M-digits": "\\boxed{" + "9" * 10_000_000 + "}",
 }
 MARGIN_S = 5.0  # a replacement worker and a loaded 2-core machine; not a performance bound
+SHORT_S = 0.5  # each of these runs for minutes: any limit cuts it
 
 
 def test_hostile_answers_score_zero_by_default_within_the_time_limit():
@@ -312,8 +313,8 @@ def test_hostile_answers_score_zero_by_default_within_the_time_limit():
 def test_hostile_answers_score_zero_within_a_shorter_limit(name):
     assert score(boxed("42"), "42") == 1.0
     start, peak_kb = time.monotonic(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    assert score(HOSTILE[name], "1", timeout_s=2.0) == 0.0
-    assert time.monotonic() - start < 2.0 + MARGIN_S
+    assert score(HOSTILE[name], "1", timeout_s=SHORT_S) == 0.0
+    assert time.monotonic() - start < SHORT_S + MARGIN_S
     grown_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak_kb) / 1024
     assert grown_mb < 100 + len(HOSTILE[name]) * 4 / 2**20  # the text itself, its JSON copies
     assert score(boxed("42"), "42") == 1.0, "a correct answer still scores 1"
