@@ -24,14 +24,17 @@ LEVEL = "BabyAI-GoToLocalS5N2-v0"
 BABYAI = [f"env.tasks=[{LEVEL}]", "env.eval_tasks=null", "env.max_steps=12"]
 
 
-def make_run(run_dir: Path, overrides: list[str], seed: int = 0) -> Path:
+def make_run(run_dir: Path, overrides: list[str], seed: int = 0, views: int | None = None) -> Path:
     """An embodied run directory as ``relayrl train`` leaves one: ``config.yaml`` and an
-    untrained policy (sized for the run's env) in ``checkpoint/``."""
+    untrained policy (sized for the run's env) in ``checkpoint/``; ``views`` is the env's camera
+    count, where it is known without resetting the env (a LIBERO sim takes seconds to build)."""
     cfg = load_config(None, ["workload=embodied", *overrides])
     env = build_env(cfg.env, 0)
-    obs, space = env.reset(), env.action_space
+    if views is None:
+        views = env.reset().image.shape[0]
+    space = env.action_space
     env.close()
-    views, image_size = obs.image.shape[0], cfg.env.image_size
+    image_size = cfg.env.image_size
     vla = vla_config(
         cfg.vla, image_size=image_size, views=views, dims=space.dims, vocab=space.vocab
     )
@@ -92,7 +95,7 @@ def test_the_libero_protocol_uses_init_state_i_the_wait_steps_and_the_suite_cap(
 
     task = "pick_up_the_black_bowl_between_the_plate_and_the_ramekin_and_place_it_on_the_plate"
     overrides = ["env.name=libero", f"env.tasks=[{task}]", "env.image_size=32", "env.max_steps=60"]
-    cfg, ckpt = embodied_run(make_run(tmp_path / "run", overrides))
+    cfg, ckpt = embodied_run(make_run(tmp_path / "run", overrides, views=1))  # no wrist camera
     # The suite's cap, not the run's env.max_steps (60), bounds an episode: made 3 here.
     monkeypatch.setitem(libero.SUITES, "libero_spatial", 3)
     starts = []
