@@ -135,10 +135,10 @@ def random_success_rate(rule: bool, episodes: int) -> float:
 
 def test_rule_cuts_a_random_policys_success():
     start = time.perf_counter()
-    with_rule, without = random_success_rate(True, 100), random_success_rate(False, 100)
+    with_rule, without = random_success_rate(True, 50), random_success_rate(False, 50)
     print(f"random 3-action success: {with_rule:.2f} with the rule, {without:.2f} without")
-    print(f"({time.perf_counter() - start:.1f} s for 200 episodes)")
-    assert with_rule < without - 0.1
+    print(f"({time.perf_counter() - start:.1f} s for 100 episodes)")
+    assert with_rule < without - 0.1  # measured 0.26 and 0.48
 
 
 def test_sampling_rejected_lines_are_silenced(capsys):
