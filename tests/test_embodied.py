@@ -89,15 +89,6 @@ def test_sync_lockstep_run_is_on_policy_and_moves_the_policy_and_value_heads(ray
     assert set(summary["rollout"]["success_rate"]["per_task"]) == {"BabyAI-GoToLocalS7N4-v0"}
 
 
-def test_lockstep_run_with_in_place_dist_sync_serves_every_version(ray_session, tmp_path):
-    in_place = ["mode=sync", "sync.transport=dist", "sync.in_place=true"]
-    summary = train(tiny_config(*SMALL, *in_place), tmp_path / "run")
-    sync = summary["sync"]
-    assert sync["transport"] == "dist" and sync["lost"] == {} and sync["publishes"] == 4
-    assert summary["staleness"]["hist"] == {"0": summary["samples"]["trained"]}
-    assert summary["eval"]["end"]["version"] == 3  # the service evaluated the last version
-
-
 # The socket with one env per worker is the default every other async embodied test runs.
 @pytest.mark.parametrize(("transport", "envs"), [("ray", 1), ("socket", 2)])
 def test_async_run_bounds_the_lag_keeps_the_books_and_contains_env_crashes(
@@ -176,13 +167,17 @@ def test_the_blind_control_sees_one_constant_instruction():
     env.close()
 
 
-def test_curriculum_opens_stages_in_order_and_evaluation_plays_only_eval_tasks(
+# The lockstep run also sends its weights in place over dist: which tasks the workers play and
+# how the weights reach the service are independent.
+def test_curriculum_opens_stages_in_order_and_an_in_place_dist_lockstep_serves_every_version(
     ray_session, tmp_path
 ):
     easy, hard = "BabyAI-GoToLocalS5N2-v0", "BabyAI-GoToLocalS6N3-v0"
     cfg = tiny_config(
         *SMALL,
         "mode=sync",
+        "sync.transport=dist",
+        "sync.in_place=true",
         f"env.tasks=[{easy},{hard}]",
         f"env.eval_tasks=[{hard}]",
         "rollout.curriculum=true",
@@ -191,6 +186,11 @@ def test_curriculum_opens_stages_in_order_and_evaluation_plays_only_eval_tasks(
     )
     summary = train(cfg, tmp_path / "run")
     check_books(summary)
+    sync = summary["sync"]
+    assert sync["transport"] == "dist" and sync["lost"] == {}
+    assert sync["publishes"] == summary["updates"] + 1 == 6  # version 0 and one per step
+    assert summary["staleness"]["hist"] == {"0": summary["samples"]["trained"]}
+    assert summary["eval"]["end"]["version"] == 5  # the service evaluated the last version
     assert summary["curriculum"]["enabled"] and summary["curriculum"]["stage"] == hard
     assert summary["curriculum"]["opened_at_step"] == {easy: 0, hard: 2}
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
@@ -206,26 +206,24 @@ def test_curriculum_opens_stages_in_order_and_evaluation_plays_only_eval_tasks(
     assert set(summary["eval"]["end"]["per_task"]) == {hard}
 
 
-def test_a_closed_stage_is_never_played(ray_session, tmp_path):
-    easy, hard = "BabyAI-GoToLocalS5N2-v0", "BabyAI-GoToLocalS6N3-v0"
-    cfg = tiny_config(*SMALL, "mode=async", f"env.tasks=[{easy},{hard}]", "rollout.curriculum=true")
-    summary = train(cfg, tmp_path / "run")
-    check_books(summary)
-    assert summary["curriculum"]["stage"] == easy  # tiny run: never solved, no step budget
-    assert set(summary["rollout"]["success_rate"]["per_task"]) == {easy}
-
-
-def test_the_acce_preset_runs_async_and_trains_its_value_head(ray_session, tmp_path):
+def test_the_acce_preset_trains_its_value_head_and_a_closed_stage_is_never_played(
+    ray_session, tmp_path
+):
     """configs/presets/acce.yaml over the small embodied run: fused recompute (one optimizer step
-    per micro-batch), the D.2 value head and AcceRL's DWR; the books balance."""
+    per micro-batch), the D.2 value head and AcceRL's DWR; the books balance. Its two tasks are
+    curriculum stages, and the workers play only the open one whatever DWR weighs."""
     preset = Path(__file__).resolve().parents[1] / "configs" / "presets" / "acce.yaml"
-    cfg = load_config(None, [*QUIET, *SMALL, "mode=async"], [preset])
+    easy, hard = "BabyAI-GoToLocalS5N2-v0", "BabyAI-GoToLocalS6N3-v0"
+    stages = [f"env.tasks=[{easy},{hard}]", "rollout.curriculum=true"]
+    cfg = load_config(None, [*QUIET, *SMALL, "mode=async", *stages], [preset])
     assert cfg.trainer.value_recompute == "fused" and cfg.vla.value_head == "acce"
     summary = train(cfg, tmp_path / "run")
     assert summary["status"] == "finished" and summary["updates"] == 3
     check_books(summary)
     changed = changed_parameters(summary, cfg.run.seed)
     assert any(name.startswith("value_head.") for name in changed)
+    assert summary["curriculum"]["stage"] == easy  # tiny run: never solved, no step budget
+    assert set(summary["rollout"]["success_rate"]["per_task"]) == {easy}
 
 
 def test_imagination_trains_on_imagined_segments_and_keeps_both_books(ray_session, tmp_path):
