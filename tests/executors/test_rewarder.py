@@ -44,7 +44,7 @@ def test_math_scorer_runs_sandboxed_and_counts_timeouts():
         "model.tokenizer=builtin:byte",
         "rewarder.scorer=math",
         "rewarder.workers=1",
-        "rewarder.timeout_s=2",
+        "rewarder.timeout_s=1",  # the tower parses for minutes; the others take ~0.2 s at most
     )
     rewarder = Rewarder(cfg)
     try:
@@ -103,7 +103,7 @@ def test_a_user_rule_runs_sandboxed_and_a_forever_loop_is_a_timeout():
         "model.tokenizer=builtin:byte",
         "rewarder.scorer=scoring_rules:exact_or_loop",  # tests/scoring_rules.py
         "rewarder.workers=1",
-        "rewarder.timeout_s=1",
+        "rewarder.timeout_s=0.5",  # the rule answers at once or never
     )
     rewarder = Rewarder(cfg)
     try:
@@ -126,7 +126,7 @@ def test_a_user_rule_scores_in_a_rewarder_actor(ray_session):
         "model.tokenizer=builtin:byte",
         "rewarder.scorer=scoring_rules:exact_or_loop",
         "rewarder.workers=1",
-        "rewarder.timeout_s=1",
+        "rewarder.timeout_s=0.5",
     )
     env = {"env_vars": {"PYTHONPATH": str(Path(__file__).parents[1])}}
     actor = ray.remote(Rewarder).options(num_cpus=0, runtime_env=env).remote(cfg)
