@@ -68,37 +68,56 @@ def test_a_port_that_accepts_but_never_answers_fails_after_the_timeout():
         silent.close()
 
 
-def _train(run_dir: Path, *args: str, env: dict[str, str] | None = None) -> list[str]:
-    """Run ``relayrl train`` on the arith config, expect exit code 1; its stderr lines."""
-    cmd = [sys.executable, "-m", "relayrl.cli", "train", "configs/arith.yaml", *args]
-    cmd += [f"--run-dir={run_dir}", "log.tensorboard=false"]
+# ``relayrl train`` on the arith config twice in one fresh interpreter (each start would pay the
+# torch import): joining a refused address, then starting an embedded Ray. Prints each exit code
+# after the summary the job prints; a line "--" on stderr parts their messages.
+TWO_FAILED_STARTS = """
+import sys
+from relayrl.cli import main
+refused, first, second = sys.argv[1:]
+train = ["train", "configs/arith.yaml", "log.tensorboard=false"]
+print("exit", main([*train, "--ray-address", refused, f"--run-dir={first}"]), flush=True)
+print("--", file=sys.stderr, flush=True)
+print("exit", main([*train, f"--run-dir={second}"]))
+"""
+
+
+@pytest.fixture(scope="module")
+def failed_starts(tmp_path_factory) -> tuple[Path, list[list[str]]]:
+    """A scratch folder with ``refused/`` and ``embedded/`` run directories, and the stderr lines
+    of each start, both of which exited 1."""
+    tmp = tmp_path_factory.mktemp("starts")
+    (tmp / "file").write_text("")
+    # Ray makes its session directories under RAY_TMPDIR: here, under a file.
+    env = os.environ | {"RAY_TMPDIR": str(tmp / "file" / "ray")}
+    cmd = [sys.executable, "-c", TWO_FAILED_STARTS, REFUSED, tmp / "refused", tmp / "embedded"]
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 1, result.stderr
+    assert result.returncode == 0, result.stderr
+    codes = [line for line in result.stdout.splitlines() if line.startswith("exit ")]
+    assert codes == ["exit 1", "exit 1"], result.stderr
     assert "Traceback" not in result.stderr
-    return result.stderr.splitlines()
+    first, second = result.stderr.split("--\n")
+    return tmp, [first.splitlines(), second.splitlines()]
 
 
-def test_train_with_a_refused_address_exits_1_with_one_line_and_a_failed_summary(tmp_path):
-    lines = _train(tmp_path / "run", "--ray-address", REFUSED)
+def test_train_with_a_refused_address_exits_1_with_one_line_and_a_failed_summary(failed_starts):
+    tmp, (lines, _) = failed_starts
 
     assert len(lines) == 2, lines  # the job's progress line, then the error
     assert lines[0] == f"relayrl: joining Ray at {REFUSED}"
     assert lines[1].startswith(f"relayrl: cannot join Ray at {REFUSED}")
     assert "connection refused" in lines[1]
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    summary = json.loads((tmp / "refused" / "summary.json").read_text())
     assert summary["status"] == "failed"
     assert "RayStartError" in summary["error"] and "connection refused" in summary["error"]
 
 
-def test_an_embedded_ray_that_cannot_start_exits_1_with_the_reason(tmp_path):
-    (tmp_path / "file").write_text("")
-    # Ray makes its session directories under RAY_TMPDIR: here, under a file.
-    env = os.environ | {"RAY_TMPDIR": str(tmp_path / "file" / "ray")}
-    lines = _train(tmp_path / "run", env=env)
+def test_an_embedded_ray_that_cannot_start_exits_1_with_the_reason(failed_starts):
+    tmp, (_, lines) = failed_starts
 
     assert lines == [
         "relayrl: starting Ray",
         f"relayrl: cannot start an embedded Ray: NotADirectoryError: [Errno 20] Not a directory: "
-        f"'{tmp_path / 'file' / 'ray'}'",
+        f"'{tmp / 'file' / 'ray'}'",
     ]
-    assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "failed"
+    assert json.loads((tmp / "embedded" / "summary.json").read_text())["status"] == "failed"
