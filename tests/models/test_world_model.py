@@ -213,12 +213,12 @@ def test_success_model_learns_which_corner_the_instruction_names():
             instructions, frames, success = corner_set(64, generator)
             yield SuccessLabels(frames, model.tokenize(instructions), success)
 
-    train(model, batches(), steps=150)
+    train(model, batches(), steps=80)
     instructions, frames, success = corner_set(512, torch.Generator().manual_seed(1))
     prob = model.success_prob(frames, model.tokenize(instructions))
 
     # The same frame is a success for one instruction and a failure for the other, so an
-    # instruction-blind model stays near 2/3; measured 1.0.
+    # instruction-blind model stays near 2/3; measured 1.0 after 80 steps.
     accuracy = ((prob > 0.5).float() == success).float().mean().item()
     assert accuracy > 0.95
     assert prob.min() >= 0 and prob.max() <= 1
@@ -291,13 +291,14 @@ def test_success_and_failure_heads_learn_the_named_and_the_other_corner():
             success, failure = outcome(instructions, frames)
             yield SuccessLabels(frames, model.tokenize(instructions), success, failure)
 
-    train(model, batches(), steps=150)
+    train(model, batches(), steps=80)
     instructions, frames, _ = corner_set(512, torch.Generator().manual_seed(1))
     success, failure = outcome(instructions, frames)
     p_success, p_failure = model.probs(frames, model.tokenize(instructions))
 
     # Each corner is a success for one instruction and a failure for the other (a third of the
-    # frames each); an instruction-blind head stays near 2/3. Measured 1.0 and 1.0.
+    # frames each); an instruction-blind head stays near 2/3. Measured 0.992 and 0.998 after 80
+    # steps.
     assert ((p_success > 0.5).float() == success).float().mean() > 0.95
     assert ((p_failure > 0.5).float() == failure).float().mean() > 0.95
     assert torch.allclose(model.success_prob(frames, model.tokenize(instructions)), p_success)
