@@ -58,7 +58,7 @@ def start(kind: str, timeout_s: float):
 
 @pytest.mark.parametrize("kind", ["dist", "shm"])
 def test_a_receiver_killed_mid_transfer_is_named_and_the_others_carry_on(ray_session, kind):
-    pub, actors = start(kind, timeout_s=3.0)
+    pub, actors = start(kind, timeout_s=2.0)  # the dead-publisher test below moves as much
     ticket = pub.publish(1, tensors(1))
     ray.get([a.receive.remote(ticket) for a in actors.values()])
     assert pub.finish() == {}
@@ -72,7 +72,7 @@ def test_a_receiver_killed_mid_transfer_is_named_and_the_others_carry_on(ray_ses
         if kind == "shm":  # version 3 needs the slot the dead receiver still holds
             ticket = pub.publish(3, tensors(3))
         lost = pub.finish()
-    assert time.monotonic() - start_s < 3.0 + 5.0  # within the timeout, no hang
+    assert time.monotonic() - start_s < 2.0 + 5.0  # within the timeout, no hang
     assert set(lost) == {"doomed"}
     if kind == "shm":
         assert ray.get(actors["alive"].receive.remote(ticket), timeout=30) == 3
