@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 from conftest import SMALL_LLM as SMALL
@@ -142,12 +144,23 @@ def test_in_place_dist_sync_serves_the_weights_the_trainer_trained(ray_session, 
         assert r["loss/log_ratio_p99"] <= r["loss/log_ratio_max"] < 0.01, r
 
 
+@pytest.fixture(scope="module")
+def refused_then_partial(ray_session, tmp_path_factory) -> tuple[Exception, Path, dict]:
+    """A run whose placement the cluster cannot satisfy, then on the same Ray instance a sync run
+    with partial rollouts (2 of 4 tokens per generator step): what the first raised, its run
+    directory, and the second's summary."""
+    root = tmp_path_factory.mktemp("refused")
+    cfg = tiny_config(*SMALL, "placement=distributed", "trainer.resources={gpu_node: 1}")
+    with pytest.raises(RoleTableError) as refused:
+        train(cfg, root / "run")
+    partial = ["mode=sync", "generator.max_new_tokens=4", "generator.max_new_tokens_per_step=2"]
+    return refused.value, root / "run", train(tiny_config(*SMALL, *partial), root / "next")
+
+
 def test_sync_with_partial_rollouts_counts_only_batches_that_reached_the_trainer(
-    ray_session, tmp_path
+    refused_then_partial,
 ):
-    _, summary = _run(
-        tmp_path, "mode=sync", "generator.max_new_tokens=4", "generator.max_new_tokens_per_step=2"
-    )
+    _, _, summary = refused_then_partial
     assert summary["steps"] == 6 and summary["samples"]["accounted"]
     assert summary["samples"]["trained"] >= 6 * 4  # at least one group of 4 per counted step
 
@@ -288,14 +301,13 @@ def test_two_trainer_ranks_with_two_replicas_learn_and_keep_the_books(ray_sessio
     assert moved > 1e-3, "RL steps did not change the gathered parameters"
 
 
-def test_a_placement_the_cluster_cannot_satisfy_fails_the_run_and_says_why(ray_session, tmp_path):
-    cfg = tiny_config(*SMALL, "placement=distributed", "trainer.resources={gpu_node: 1}")
-    with pytest.raises(RoleTableError, match="^role 'trainer': 1 x gpu_node=1 .* has 0 "):
-        train(cfg, tmp_path / "run")
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+def test_a_placement_the_cluster_cannot_satisfy_fails_the_run_and_says_why(refused_then_partial):
+    refused, run, after = refused_then_partial
+    assert re.search("^role 'trainer': 1 x gpu_node=1 .* has 0 ", str(refused))
+    summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "failed" and "gpu_node" in summary["error"]
     # the run released what it had placed: a next run on the same Ray instance still places
-    assert train(tiny_config(*SMALL, "steps=1"), tmp_path / "next")["status"] == "finished"
+    assert after["status"] == "finished"
 
 
 def test_async_books_balance_when_the_gate_admits_more_batches_than_the_channels_hold(
