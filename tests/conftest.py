@@ -362,18 +362,131 @@ TIMEOUT_S = 60
 ATOL = 1e-5
 
 
+class RankHost:
+    """One rank of one test's group after another, in a process that outlives the groups: its
+    torch and model imports (seconds of CPU) are paid once per session, not per rank per test."""
+
+    def __init__(self):
+        self.trainer = None
+
+    def build(self, cls: type, args: tuple, rank: int, world: int) -> None:
+        """Make this rank's trainer; it joins its group by its own ``join_group``."""
+        self.trainer = cls(*args, rank=rank, world=world)
+
+    def call(self, method: str, *args: Any) -> Any:
+        """The trainer's ``method``; ``__ray_call__`` applies a function to the trainer, as on
+        an actor of the trainer's class."""
+        if method == "__ray_call__":
+            function, *args = args
+            return function(self.trainer, *args)
+        return getattr(self.trainer, method)(*args)
+
+    def run(self, function: Any, *args: Any) -> Any:
+        """``function(*args)`` in this process (it joins and leaves its own group)."""
+        return function(*args)
+
+    def leave(self) -> None:
+        """Drop the trainer and leave the default process group, ready for the next one."""
+        import gc
+
+        import torch.distributed as dist
+
+        self.trainer = None
+        gc.collect()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class Rank:
+    """A trainer on a ``RankHost``, called as an actor of the trainer's class is:
+    ``rank.train_step.remote(batch)``, ``rank.__ray_call__.remote(function)``."""
+
+    def __init__(self, host: Any):
+        self.host = host
+
+    def __getattr__(self, method: str) -> RankMethod:
+        if method.startswith("__") and method != "__ray_call__":
+            raise AttributeError(method)
+        return RankMethod(self.host, method)
+
+
+class RankMethod:
+    """``rank.method``, whose ``remote(*args)`` calls the trainer's method on its host."""
+
+    def __init__(self, host: Any, method: str):
+        self.host, self.method = host, method
+
+    def remote(self, *args: Any) -> Any:
+        """The call's object reference, as an actor method's ``remote`` returns it."""
+        return self.host.call.remote(self.method, *args)
+
+
+_HOSTS: dict[str, list[Any]] = {}  # Ray job id: the rank hosts started in it
+
+
+def rank_hosts(world: int) -> list[Any]:
+    """``world`` rank hosts of this Ray session, out of any group: those that answer, and new
+    ones for the rest."""
+    import sys
+
+    hosts = _HOSTS.setdefault(ray.get_runtime_context().get_job_id(), [])
+    release(hosts)
+    # The driver's import path: a host unpickles what tests send by module (conftest's and the
+    # test modules' functions), and pytest put their folders on this path only.
+    path = {"PYTHONPATH": os.pathsep.join(sys.path)}
+    actor = ray.remote(num_cpus=0, max_restarts=0, runtime_env={"env_vars": path})(RankHost)
+    hosts += [actor.remote() for _ in range(world - len(hosts))]
+    return hosts[:world]
+
+
+def release(hosts: list[Any]) -> None:
+    """Take ``hosts`` out of their group, or kill them all when one does not answer."""
+    try:
+        ray.get([h.leave.remote() for h in hosts], timeout=TIMEOUT_S)
+    except Exception:
+        drop_rank_hosts()
+
+
+def drop_rank_hosts() -> None:
+    """Kill this Ray session's rank hosts, whose group failed: a rank may be stuck in a
+    collective or hold a broken group. The next group starts fresh ones."""
+    for host in _HOSTS.pop(ray.get_runtime_context().get_job_id(), []):
+        ray.kill(host)
+
+
 @contextmanager
 def trainer_group(cls: type, *args: Any, world: int = 2) -> Iterator[list[Any]]:
-    """``world`` trainer actors that have joined one group, killed on exit."""
-    actor = ray.remote(num_cpus=0, max_restarts=0)(cls)
-    ranks = [actor.remote(*args, rank=rank, world=world) for rank in range(world)]
+    """``world`` trainers of ``cls(*args)`` that have joined one group, which they leave on
+    exit; after a failure their processes are killed instead."""
+    hosts = rank_hosts(world)
     try:
+        ray.get(
+            [h.build.remote(cls, args, rank, world) for rank, h in enumerate(hosts)],
+            timeout=TIMEOUT_S,
+        )
+        ranks = [Rank(host) for host in hosts]
         host, port = ray.get(ranks[0].group_address.remote(), timeout=TIMEOUT_S)
         on_all(ranks, "join_group", host, port)
         yield ranks
-    finally:
-        for rank in ranks:
-            ray.kill(rank)
+    except BaseException:
+        drop_rank_hosts()
+        raise
+    release(hosts)
+
+
+def on_ranks(function: Any, *args: Any, world: int = 2) -> list[Any]:
+    """``function(rank, world, *args)`` on ``world`` processes at once, the results in rank
+    order; ``function`` joins and leaves its own group. After a failure the processes are
+    killed."""
+    hosts = rank_hosts(world)
+    try:
+        calls = [h.run.remote(function, rank, world, *args) for rank, h in enumerate(hosts)]
+        results = ray.get(calls, timeout=TIMEOUT_S)
+    except BaseException:
+        drop_rank_hosts()
+        raise
+    release(hosts)
+    return results
 
 
 def on_all(ranks: list[Any], method: str, *args: Any) -> list[Any]:

@@ -1,12 +1,11 @@
 import math
 from datetime import timedelta
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from conftest import on_ranks
 
 from relayrl.algorithms.normalization import Welford, global_normalize
 
@@ -55,7 +54,8 @@ def rank_data(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, mask
 
 
-def normalize_on_rank(rank: int, world_size: int, store_path: str, out_dir: str) -> None:
+def normalize_on_rank(rank: int, world_size: int, store_path: str) -> dict:
+    """This rank's normalised data and the sizes of the all-reduces it took."""
     store = dist.FileStore(store_path, world_size)
     dist.init_process_group(
         "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=60)
@@ -70,21 +70,17 @@ def normalize_on_rank(rank: int, world_size: int, store_path: str, out_dir: str)
     dist.all_reduce = counting_all_reduce
     try:
         x, mask = rank_data(rank)
-        out = global_normalize(x, mask)
-        torch.save({"out": out, "calls": calls}, Path(out_dir) / f"rank{rank}.pt")
+        return {"out": global_normalize(x, mask), "calls": calls}
     finally:
         dist.all_reduce = all_reduce
         dist.destroy_process_group()
 
 
-def test_global_normalize_over_two_gloo_ranks_equals_normalising_the_concatenation(tmp_path):
+def test_global_normalize_over_two_gloo_ranks_equals_normalising_the_concatenation(
+    ray_session, tmp_path
+):
     world_size = 2
-    mp.spawn(
-        normalize_on_rank,
-        args=(world_size, str(tmp_path / "store"), str(tmp_path)),
-        nprocs=world_size,
-        join=True,
-    )
+    results = on_ranks(normalize_on_rank, str(tmp_path / "store"), world=world_size)
 
     data = [rank_data(rank) for rank in range(world_size)]
     flat_x = torch.cat([x.flatten() for x, _ in data])
@@ -96,9 +92,8 @@ def test_global_normalize_over_two_gloo_ranks_equals_normalising_the_concatenati
         torch.cat(expected)[flat_mask], (valid - valid.mean()) / (valid.std(correction=0) + 1e-8)
     )
     for rank, (x, _) in enumerate(data):
-        result = torch.load(tmp_path / f"rank{rank}.pt")
-        torch.testing.assert_close(result["out"], expected[rank].reshape(x.shape))
-        assert result["calls"] == [3]  # one all-reduce of (sum, sum of squares, count)
+        torch.testing.assert_close(results[rank]["out"], expected[rank].reshape(x.shape))
+        assert results[rank]["calls"] == [3]  # one all-reduce of (sum, sum of squares, count)
 
 
 def random_batches(shape: tuple[int, ...], seed: int) -> list[np.ndarray]:

@@ -4,13 +4,11 @@ VCPO's baseline), and the ``kept_frac`` every loss reports, against hand-derived
 import inspect
 import math
 from datetime import timedelta
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from conftest import close, leaf
+from conftest import close, leaf, on_ranks
 
 from relayrl import parallel
 from relayrl.algorithms.losses import (
@@ -297,7 +295,8 @@ def shard_step(name: str, batch, rows: slice, gather: bool) -> tuple[float, torc
     return float(loss.detach()), shard_logp.grad
 
 
-def ranks_step(rank: int, world: int, store_path: str, out_dir: str) -> None:
+def ranks_step(rank: int, world: int, store_path: str) -> dict:
+    """This rank's (loss, gradient) of every case, with and without the gather."""
     store = dist.FileStore(store_path, world)
     dist.init_process_group(
         "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60)
@@ -309,17 +308,15 @@ def ranks_step(rank: int, world: int, store_path: str, out_dir: str) -> None:
             batch = stale_batch(seed, scale)
             results[name, True] = shard_step(name, batch, rows, gather=True)
             results[name, False] = shard_step(name, batch, rows, gather=False)
-        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+        return results
     finally:
         dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory) -> dict:
+def two_ranks(ray_session, tmp_path_factory) -> dict:
     """Every case's (loss, gradient) summed over two gloo ranks, with and without the gather."""
-    out = tmp_path_factory.mktemp("ranks")
-    mp.spawn(ranks_step, args=(2, str(out / "store"), str(out)), nprocs=2, join=True)
-    ranks = [torch.load(out / f"rank{rank}.pt") for rank in range(2)]
+    ranks = on_ranks(ranks_step, str(tmp_path_factory.mktemp("ranks") / "store"))
     return {
         key: (sum(r[key][0] for r in ranks), torch.cat([r[key][1] for r in ranks]))
         for key in ranks[0]

@@ -4,15 +4,13 @@ the receivers, which serve the full tensors bit-identically, swapping once every
 from __future__ import annotations
 
 import dataclasses
-import os
 import socket
 import threading
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from conftest import on_ranks
 
 from relayrl.weight_sync import TRANSPORTS, chunk_rows, shard_pieces
 from relayrl.weight_sync.buckets import Layout, ReceiverState
@@ -240,7 +238,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _fsdp_rank(rank: int, port: int) -> None:
+def _fsdp_rank(rank: int, world: int, port: int) -> None:
     """One FSDP2 rank: publish its pieces through shm for two versions; rank 0 also receives
     every rank's pieces and checks them against the full state dict."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -249,8 +247,9 @@ def _fsdp_rank(rank: int, port: int) -> None:
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
     mesh = init_device_mesh("cpu", (WORLD,))
     columns = {"col": distribute_tensor(torch.zeros(4, 6), mesh, [Shard(1)])}
     with pytest.raises(ValueError, match=r"'col' is placed \(Shard\(dim=1\),\): pieces need"):
@@ -305,14 +304,8 @@ def _check_rows(full: dict[str, torch.Tensor], shares: list) -> None:
             assert torch.equal(tensors[name], want), (rank, name)
 
 
-def test_fsdp2_ranks_publish_their_own_rows_and_a_receiver_reassembles_them() -> None:
+def test_fsdp2_ranks_publish_their_own_rows_and_a_receiver_reassembles_them(ray_session) -> None:
     fsdp = pytest.importorskip("torch.distributed.fsdp")
     if not hasattr(fsdp, "fully_shard") or not dist.is_gloo_available():
         pytest.skip("needs FSDP2 (torch.distributed.fsdp.fully_shard) and gloo")
-    context = mp.spawn(_fsdp_rank, args=(_free_port(),), nprocs=WORLD, join=False)
-    deadline = time.monotonic() + 60
-    while not context.join(timeout=1):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail("the FSDP2 ranks did not finish within 60 s")
+    on_ranks(_fsdp_rank, _free_port(), world=WORLD)  # a hang fails at TIMEOUT_S
