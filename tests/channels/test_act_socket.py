@@ -202,7 +202,7 @@ def test_an_error_of_the_policy_reaches_the_worker_and_the_connection_goes_on():
     loop.stop()
 
 
-def test_as_ray_actors_workers_stream_over_the_socket_and_a_dead_service_is_a_death(ray_session):
+def test_ray_actors_stream_over_the_socket_or_ray_calls_across_nodes_and_see_a_death(ray_session):
     ray = ray_session
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     actor = ray.remote(num_cpus=0)
@@ -243,6 +243,16 @@ def test_as_ray_actors_workers_stream_over_the_socket_and_a_dead_service_is_a_de
     assert emitted > 0
     requests = ray.get(service.stats.remote()).requests
     assert requests >= sum(len(s) for s in segments)
+    # A worker on another node falls back to Ray calls; one on this node takes the socket.
+    address = ray.get(service.act_address.remote())
+    elsewhere = SocketServiceClient(service, {**address, "node": "another-node"})
+    reply = elsewhere(obs(4, 2), 3, 9)
+    assert reply.actions.tolist() == [4] and not elsewhere.local
+    assert ray.get(service.__ray_call__.remote(left)) == 0
+    assert ray.get(service.reported.remote(3)) == 9
+    here = SocketServiceClient(service)
+    assert here(obs(5, 1), 3, 10).actions.tolist() == [5] and here.local
+    here.close()
     # The service dies: the next request raises its Ray death, which recovery replaces.
     client = SocketServiceClient(service)
     client(obs(1, 1), 0, 0)
@@ -253,22 +263,6 @@ def test_as_ray_actors_workers_stream_over_the_socket_and_a_dead_service_is_a_de
         client(obs(1, 2), 0, 1)
     for handle in (buffer, workers[0]):
         ray.kill(handle)
-
-
-def test_a_worker_on_another_node_falls_back_to_ray_calls(ray_session):
-    ray = ray_session
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    service = ray.remote(num_cpus=0)(InferenceService).remote(EncodingPolicy(), max_wait_ms=0)
-    address = ray.get(service.act_address.remote())
-    elsewhere = SocketServiceClient(service, {**address, "node": "another-node"})
-    reply = elsewhere(obs(4, 2), 3, 9)
-    assert reply.actions.tolist() == [4, 2] and not elsewhere.local
-    assert ray.get(service.__ray_call__.remote(lambda s: len(s._connections))) == 0
-    assert ray.get(service.reported.remote(3)) == 9
-    here = SocketServiceClient(service)
-    assert here(obs(5, 1), 3, 10).actions.tolist() == [5, 1] and here.local
-    here.close()
-    ray.kill(service)
 
 
 class RemoteSink:
