@@ -18,6 +18,7 @@ from relayrl.rewards import sandbox
 from relayrl.rewards.sandbox import ScoringPool
 
 SCORER = "relayrl.rewards.math:_score_unbounded"
+RULE = "scoring_rules:exact_or_loop"  # imports nothing: its server starts without sympy's ~0.5 s
 TESTS = str(Path(__file__).parents[1])  # holds scoring_rules.py
 
 TIMEOUT_S = 2.0
@@ -104,15 +105,15 @@ def test_a_hung_item_does_not_hold_up_the_rest_of_the_batch(pool):
 
 def test_a_worker_that_dies_mid_item_is_counted_and_replaced():
     # Stands in for a segfault or the kernel's OOM killer: the worker vanishes mid-item.
-    with ScoringPool(SCORER, workers=1, timeout_s=30.0) as pool:
+    with ScoringPool(RULE, workers=1, timeout_s=30.0) as pool:
         pid = pool._workers[0].pid
         threading.Timer(0.5, os.kill, (pid, signal.SIGKILL)).start()
-        scores, elapsed = timed(pool, [("\\boxed{9^{9^{9^{9^{9}}}}}", "1")])
+        scores, elapsed = timed(pool, [("loop", "a")])
         assert scores == [0.0]
         assert elapsed < 10, "a dead worker must be noticed at once, not at the timeout"
         assert pool.counters == {"timeouts": 0, "errors": 1, "scored": 1}
         assert pool._workers[0].pid != pid
-        assert pool.score_batch([NORMAL]) == [1.0]
+        assert pool.score_batch([("a", "a")]) == [1.0]
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/<pid>/limits")
@@ -129,7 +130,7 @@ def test_an_item_beyond_the_memory_limit_kills_only_its_worker():
 
 
 def test_a_closed_pool_refuses_work():
-    pool = ScoringPool(SCORER, workers=1)
+    pool = ScoringPool(RULE, workers=1)
     pool.close()
     with pytest.raises(RuntimeError, match="closed"):
         pool.score_batch([NORMAL])
@@ -233,7 +234,7 @@ def test_a_killed_caller_leaves_no_worker_behind(tmp_path):
 
 def test_a_rule_that_loops_forever_scores_zero_and_is_counted():
     # Any scorer runs under the same limits and counters as the math one.
-    with ScoringPool("scoring_rules:exact_or_loop", workers=1, timeout_s=HUNG_S) as pool:
+    with ScoringPool(RULE, workers=1, timeout_s=HUNG_S) as pool:
         scores, elapsed = timed(pool, [("a", "a"), ("loop", "a"), ("b", "a"), ("a", "a")])
         assert scores == [1.0, 0.0, 0.0, 1.0]
         assert elapsed < HANG_GUARD_S
