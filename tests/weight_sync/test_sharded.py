@@ -238,9 +238,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _fsdp_rank(rank: int, world: int, port: int) -> None:
+def _fsdp_rank(rank: int, world: int, port: int) -> list[int]:
     """One FSDP2 rank: publish its pieces through shm for two versions; rank 0 also receives
-    every rank's pieces and checks them against the full state dict."""
+    every rank's pieces and checks them against the full state dict. Returns the versions rank 0
+    received and checked (none on the other ranks)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -263,6 +264,7 @@ def _fsdp_rank(rank: int, world: int, port: int) -> None:
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # full on rank 0 only
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     pub = receiver = None
+    checked = []
     try:
         for version in (1, 2):
             model(torch.ones(4, 7)).square().sum().backward()
@@ -283,11 +285,13 @@ def _fsdp_rank(rank: int, world: int, port: int) -> None:
                 assert receiver.receive([s[1] for s in shares]).version == version
                 got = receiver.state.model.state_dict()
                 assert all(torch.equal(got[n], t) for n, t in full.items()), version
+                checked.append(version)
             dist.barrier()  # rank 1 keeps its slots until rank 0 has read them
     finally:
         if pub is not None:
             pub.close()
         dist.destroy_process_group()
+    return checked
 
 
 def _check_rows(full: dict[str, torch.Tensor], shares: list) -> None:
@@ -308,4 +312,5 @@ def test_fsdp2_ranks_publish_their_own_rows_and_a_receiver_reassembles_them(ray_
     fsdp = pytest.importorskip("torch.distributed.fsdp")
     if not hasattr(fsdp, "fully_shard") or not dist.is_gloo_available():
         pytest.skip("needs FSDP2 (torch.distributed.fsdp.fully_shard) and gloo")
-    on_ranks(_fsdp_rank, _free_port(), world=WORLD)  # a hang fails at TIMEOUT_S
+    checked = on_ranks(_fsdp_rank, _free_port(), world=WORLD)  # a hang fails at TIMEOUT_S
+    assert checked == [[1, 2], []]  # rank 0 received and checked both versions
